@@ -1,0 +1,3 @@
+"""blockdraft: train, check and run DFlash speculative-decoding drafters."""
+
+__version__ = "0.1.0"

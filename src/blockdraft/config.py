@@ -1,0 +1,253 @@
+"""DrafterConfig: the drafter's hyper-parameters and its side of the DFlash contract.
+
+Every field that the contract (DESIGN.md section 1) depends on lives here and is written
+into the checkpoint's config.json: the target layer ids (clause 1), the feature width
+(clause 2), the block size and mask token (clause 4), and the sliding-window layout with
+its in-block causal flag (clause 5). Bad values raise ValueError with what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+FORMAT_VERSION = 1
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """Clause 1: `num_features` ids spread uniformly over the target's decoder layers.
+
+    Id L means the output of decoder layer L (0-based). The ids are
+    `round(1 + i * (n - 4) / (F - 1))`; a single feature takes the middle layer `n // 2`.
+    A 36-layer target gives [1, 9, 17, 25, 33].
+    """
+    n, f = int(num_target_layers), int(num_features)
+    if f < 1:
+        raise ValueError(f"num_features must be >= 1, got {f}")
+    if n < 2:
+        raise ValueError(f"the target needs at least 2 decoder layers, got {n}")
+    if f == 1:
+        return [n // 2]
+    # Python's round() is banker's rounding; the contract means round-half-up.
+    ids = [int((1 + i * (n - 4) / (f - 1)) + 0.5) for i in range(f)]
+    if len(set(ids)) != f or max(ids) > n - 2 or min(ids) < 0:
+        raise ValueError(
+            f"cannot spread {f} distinct feature layers over a {n}-layer target; "
+            f"use fewer features (--num-features) or pass explicit layer ids"
+        )
+    return ids
+
+
+def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
+    """Ids must be distinct ints in [0, n-2].
+
+    The last layer (n-1) is refused: its output is what the target's final norm and head
+    turn into the labels (clause 3), and serving engines capture a layer's *input*, so
+    they cannot hand the drafter the output of the last layer.
+    """
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError("target_layer_ids is empty; give at least one target layer id")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids has duplicates: {ids}")
+    bad = [i for i in ids if not 0 <= i <= num_target_layers - 2]
+    if bad:
+        raise ValueError(
+            f"target layer ids {bad} are out of range for a {num_target_layers}-layer target: "
+            f"ids name decoder-layer outputs (0-based) and must lie in [0, {num_target_layers - 2}]"
+        )
+    return ids
+
+
+@dataclass
+class DrafterConfig:
+    """Hyper-parameters of a DFlash drafter (Qwen3-style layers) bound to one target."""
+
+    # --- binding to the target ---
+    target_hidden_size: int
+    target_num_layers: int
+    target_layer_ids: list[int]
+    vocab_size: int
+    mask_token_id: int
+    # --- drafter layers (Qwen3 fields) ---
+    hidden_size: int
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    # Clause 5: whether sliding-window layers are causal inside the block.
+    sliding_causal_in_block: bool = False
+    # --- block diffusion ---
+    block_size: int = 16
+    # --- provenance ---
+    target_name: str | None = None
+    tokenizer_hash: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 3 * self.hidden_size
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        self.target_layer_ids = list(self.target_layer_ids)
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.block_size >= 2, f"block_size must be >= 2 (one anchor + at least one draft slot), got {self.block_size}")
+        need(self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        need(self.hidden_size == self.target_hidden_size,
+             f"drafter hidden_size ({self.hidden_size}) must equal the target's ({self.target_hidden_size}): "
+             "the drafter uses the target's embedding and lm_head")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+             f"num_key_value_heads ({self.num_key_value_heads})")
+        validate_layer_ids(self.target_layer_ids, self.target_num_layers)
+        need(0 <= self.mask_token_id < self.vocab_size,
+             f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        need(len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted({t for t in self.layer_types if t not in (FULL, SLIDING)})
+        need(not bad, f"unknown layer_types {bad}; use '{FULL}' or '{SLIDING}'")
+        if SLIDING in self.layer_types:
+            need(self.sliding_window is not None and self.sliding_window >= 1,
+                 "sliding_attention layers need sliding_window >= 1")
+
+    # ------------------------------------------------------------- properties
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def feature_size(self) -> int:
+        """Clause 2: width of the concatenated context features, F * Ht."""
+        return self.num_features * self.target_hidden_size
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
+
+    def layer_causal_in_block(self, layer_idx: int) -> bool:
+        return self.layer_types[layer_idx] == SLIDING and self.sliding_causal_in_block
+
+    # -------------------------------------------------------------- builders
+    @classmethod
+    def for_target(
+        cls,
+        target: Any,
+        *,
+        num_layers: int = 1,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        **overrides: Any,
+    ) -> "DrafterConfig":
+        """A drafter whose layers copy the target's attention geometry (Qwen3 layers)."""
+        tc = target.model.config
+        tc = getattr(tc, "text_config", None) or tc
+        heads = tc.num_attention_heads
+        kw: dict[str, Any] = dict(
+            target_hidden_size=tc.hidden_size,
+            target_num_layers=tc.num_hidden_layers,
+            target_layer_ids=list(target.layer_ids),
+            vocab_size=target.vocab_size,
+            mask_token_id=target.mask_token_id if mask_token_id is None else int(mask_token_id),
+            hidden_size=tc.hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            intermediate_size=tc.intermediate_size,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(tc),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+            block_size=block_size,
+            target_name=target.name,
+            tokenizer_hash=target.tokenizer_hash,
+        )
+        kw.update(overrides)
+        cfg = cls(**kw)
+        if mask_token_id is not None:
+            target.check_mask_token(cfg.mask_token_id)
+        return cfg
+
+    # ------------------------------------------------------------------- json
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["format_version"] = FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        d = dict(d)
+        version = d.pop("format_version", FORMAT_VERSION)
+        if version > FORMAT_VERSION:
+            raise ValueError(f"config format_version {version} is newer than this blockdraft ({FORMAT_VERSION}); upgrade blockdraft")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig fields {unknown}")
+        return cls(**d)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "DrafterConfig":
+        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
+        text = p.read_text() if p is not None else str(text_or_path)
+        return cls.from_dict(json.loads(text))
+
+    def qwen3_config(self):
+        """A transformers Qwen3Config for the building blocks (MLP, RMSNorm, rotary)."""
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            attention_bias=self.attention_bias,
+            layer_types=self.layer_types,
+            sliding_window=self.sliding_window,
+        )
+
+
+def _rope_theta(tc: Any) -> float:
+    rp = getattr(tc, "rope_parameters", None) or {}
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return float(rp["rope_theta"])
+    if isinstance(rp, dict) and rp and isinstance(next(iter(rp.values())), dict):
+        # per-layer-type parameters (Gemma3): take the full-attention ones
+        inner = rp.get(FULL) or next(iter(rp.values()))
+        if "rope_theta" in inner:
+            return float(inner["rope_theta"])
+    return float(getattr(tc, "rope_theta", 10000.0))

@@ -1,0 +1,133 @@
+"""Anchor-block attention (clause 5) with three interchangeable backends.
+
+Legend: T context rows, N blocks, B block size, Hq query heads, Hkv key/value heads, D head dim.
+
+- "dense": one SDPA over all T + N*B keys with the reference mask `anchor_block_mask`
+  (the slow reference; also what a naive implementation costs).
+- "chunked": the CPU fast path. Consecutive blocks of one document form a chunk that
+  reads only its context range [doc start, last anchor), so a block never pays for the
+  Q x T rectangle and padded anchors do not exist (they are dropped before this point).
+- "flex": torch flex attention with a block-sparse BlockMask built from the same
+  predicate, for CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .masks import anchor_block_mask, chunk_mask, flex_mask_mod, plan_chunks
+
+BACKENDS = ("auto", "dense", "chunked", "flex")
+
+
+@dataclass
+class BlockLayout:
+    """Where the blocks sit in one flat packed sequence.
+
+    document_ids [T]: document of every context row (globally unique across packed rows).
+    position_ids [T]: RoPE position of every context row (restarts per document).
+    anchors [N]: sorted flat indices of the anchors (valid ones only).
+    """
+
+    document_ids: torch.Tensor
+    position_ids: torch.Tensor
+    anchors: torch.Tensor
+    block_size: int
+    max_chunk_blocks: int = 32
+    _chunks: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.document_ids.dim() != 1 or self.position_ids.shape != self.document_ids.shape:
+            raise ValueError("document_ids and position_ids must be 1-D and of equal length")
+        if self.anchors.dim() != 1:
+            raise ValueError("anchors must be 1-D")
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.anchors.shape[0])
+
+    def block_positions(self) -> torch.Tensor:
+        """[N, B] RoPE position of every block slot: the anchor's position + k."""
+        k = torch.arange(self.block_size, device=self.anchors.device)
+        return self.position_ids[self.anchors][:, None] + k[None, :]
+
+    def chunks(self, window: int | None):
+        if window not in self._chunks:
+            self._chunks[window] = plan_chunks(self.anchors, self.document_ids,
+                                               max_blocks=self.max_chunk_blocks, sliding_window=window)
+        return self._chunks[window]
+
+
+def anchor_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+                           v_blk: torch.Tensor, layout: BlockLayout, *, window: int | None, causal: bool,
+                           scale: float, backend: str = "auto") -> torch.Tensor:
+    """q [N, B, Hq, D], k/v_ctx [T, Hkv, D], k/v_blk [N, B, Hkv, D] -> out [N, B, Hq, D]."""
+    if backend == "auto":
+        backend = "flex" if q.is_cuda else "chunked"
+    if backend == "chunked":
+        return _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale)
+    if backend == "dense":
+        return _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale)
+    if backend == "flex":
+        return _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+def _sdpa(q, k, v, mask, scale):
+    """q [Hq, Q, D], k/v [Hkv, K, D], mask [Q, K] -> [Hq, Q, D]."""
+    rep = q.shape[0] // k.shape[0]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=0)
+        v = v.repeat_interleave(rep, dim=0)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None], scale=scale)[0]
+
+
+def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
+    N, B, Hq, D = q.shape
+    mask = anchor_block_mask(layout.document_ids, layout.anchors, B, window, causal).to(q.device)  # [N*B, T+N*B]
+    k = torch.cat([k_ctx, k_blk.reshape(N * B, -1, D)]).transpose(0, 1)  # [Hkv, T+N*B, D]
+    v = torch.cat([v_ctx, v_blk.reshape(N * B, -1, D)]).transpose(0, 1)
+    out = _sdpa(q.reshape(N * B, Hq, D).transpose(0, 1), k, v, mask, scale)  # [Hq, N*B, D]
+    return out.transpose(0, 1).reshape(N, B, Hq, D)
+
+
+def _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
+    N, B, Hq, D = q.shape
+    outs = []
+    for c in layout.chunks(window):
+        nb = c.j1 - c.j0
+        mask = chunk_mask(c, anchors=layout.anchors, document_ids=layout.document_ids, block_size=B,
+                          sliding_window=window, causal_in_block=causal)  # [nb*B, (hi-lo) + nb*B]
+        kc = torch.cat([k_ctx[c.lo:c.hi], k_blk[c.j0:c.j1].reshape(nb * B, -1, D)]).transpose(0, 1)
+        vc = torch.cat([v_ctx[c.lo:c.hi], v_blk[c.j0:c.j1].reshape(nb * B, -1, D)]).transpose(0, 1)
+        qc = q[c.j0:c.j1].reshape(nb * B, Hq, D).transpose(0, 1)  # [Hq, nb*B, D]
+        outs.append(_sdpa(qc, kc, vc, mask, scale).transpose(0, 1).reshape(nb, B, Hq, D))
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    N, B, Hq, D = q.shape
+    T = k_ctx.shape[0]
+    fn = flex_attention
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        fn = _compiled_flex
+    mod = flex_mask_mod(layout.anchors.to(q.device), layout.document_ids.to(q.device), B, window, causal)
+    bm = create_block_mask(mod, None, None, N * B, T + N * B, device=q.device)
+    k = torch.cat([k_ctx, k_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]
+    v = torch.cat([v_ctx, v_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]
+    out = fn(q.reshape(N * B, Hq, D).transpose(0, 1)[None], k, v, block_mask=bm, scale=scale,
+             enable_gqa=Hq != k.shape[1])
+    return out[0].transpose(0, 1).reshape(N, B, Hq, D)

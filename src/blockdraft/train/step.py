@@ -1,0 +1,138 @@
+"""One training step: target features and labels, anchors, drafter forward, loss.
+
+Legend: Bz rows, T tokens per row, N anchors (all rows), B block size, S supervised slots,
+F*Ht feature width, V vocabulary.
+
+Rows are flattened into one packed sequence with globally unique document ids, so anchors
+of every row share one attention layout and padding anchors do not exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.attention import BlockLayout
+from ..model.blocks import block_input_ids, label_positions, supervised_slots
+from .anchors import sample_anchors
+from .loss import default_gamma, dflash_loss
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [Bz, T]
+    loss_mask: torch.Tensor  # [Bz, T] 1 on tokens to learn (assistant turns)
+    position_ids: torch.Tensor | None = None  # [Bz, T] restart at 0 for each packed document
+    document_ids: torch.Tensor | None = None  # [Bz, T] derived from position_ids when absent
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() == 1:
+            self.input_ids = self.input_ids[None]
+            self.loss_mask = self.loss_mask[None]
+            self.position_ids = None if self.position_ids is None else self.position_ids[None]
+            self.document_ids = None if self.document_ids is None else self.document_ids[None]
+        shape = self.input_ids.shape
+        for name in ("loss_mask", "position_ids", "document_ids"):
+            t = getattr(self, name)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, input_ids {tuple(shape)}")
+        if self.position_ids is None:
+            if self.document_ids is None:
+                self.document_ids = torch.zeros_like(self.input_ids)
+            self.position_ids = positions_from_documents(self.document_ids)
+        elif self.document_ids is None:
+            self.document_ids = documents_from_positions(self.position_ids)
+
+
+def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[Bz, T]: a new document starts wherever the position does not continue by +1."""
+    step = torch.ones_like(position_ids, dtype=torch.bool)
+    step[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    step[:, 0] = False
+    return step.long().cumsum(dim=1)
+
+
+def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """[Bz, T]: positions restarting at 0 at each document change."""
+    T = document_ids.shape[1]
+    idx = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    new = torch.ones_like(document_ids, dtype=torch.bool)
+    new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start = torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - start
+
+
+@dataclass
+class Flat:
+    """A batch flattened to one packed sequence of Bz*T positions."""
+
+    input_ids: torch.Tensor  # [Bz*T]
+    loss_mask: torch.Tensor  # [Bz*T]
+    position_ids: torch.Tensor  # [Bz*T]
+    document_ids: torch.Tensor  # [Bz*T] unique across rows
+
+
+def flatten(batch: Batch) -> Flat:
+    Bz, T = batch.input_ids.shape
+    doc = batch.document_ids - batch.document_ids.min(dim=1, keepdim=True).values
+    offset = torch.cumsum(doc.max(dim=1).values + 1, 0) - (doc.max(dim=1).values + 1)
+    return Flat(batch.input_ids.reshape(-1), batch.loss_mask.reshape(-1), batch.position_ids.reshape(-1),
+                (doc + offset[:, None]).reshape(-1))
+
+
+def sample_batch_anchors(batch: Batch, flat: Flat, block_size: int, max_anchors: int,
+                         generator: torch.Generator | None) -> torch.Tensor:
+    """Sorted flat anchors [N], at most max_anchors per row."""
+    Bz, T = batch.input_ids.shape
+    rows = [sample_anchors(flat.document_ids[r * T:(r + 1) * T], flat.loss_mask[r * T:(r + 1) * T],
+                           block_size, max_anchors, generator) + r * T for r in range(Bz)]
+    return torch.cat(rows)
+
+
+def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma: float | None = None,
+                 loss: str = "soft", generator: torch.Generator | None = None,
+                 backend: str = "auto", anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Loss and metrics of one batch. `anchors` (flat, sorted) overrides sampling."""
+    B = drafter.block_size
+    Bz, T = batch.input_ids.shape
+    if T < B:
+        raise ValueError(f"sequence length {T} is shorter than a block ({B}); use longer sequences "
+                         f"or a smaller block size")
+    if not bool(batch.loss_mask.any()):
+        raise ValueError("the loss mask is empty: no token to learn in this batch")
+    dev = target.device
+    flat = flatten(batch)
+    flat = Flat(*(t.to(dev) for t in (flat.input_ids, flat.loss_mask, flat.position_ids, flat.document_ids)))
+    if anchors is None:
+        anchors = sample_batch_anchors(batch, flat, B, max_anchors, generator)
+    anchors = anchors.to(dev)
+    if anchors.numel() == 0:
+        raise ValueError("no position can anchor a block: every loss-mask run is shorter than 2 tokens "
+                         "inside its document")
+    sup = supervised_slots(flat.document_ids, flat.loss_mask, anchors, B)  # [N, B]
+    lpos = label_positions(anchors, B)[sup]  # [S] flat positions whose logits are the labels
+    keep = torch.zeros(Bz * T, dtype=torch.bool, device=dev)
+    keep[lpos] = True
+    out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep.view(Bz, T))
+    row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row of out.logits
+    target_logits = out.logits[row_of[lpos]]  # [S, V]
+    layout = BlockLayout(flat.document_ids, flat.position_ids, anchors, B)
+    embeds = target.embed(block_input_ids(flat.input_ids, anchors, B, drafter.mask_token_id))  # [N, B, Hd]
+    feats = out.features.reshape(Bz * T, -1)  # [Bz*T, F*Ht]
+    hidden = drafter(feats.to(drafter.fc.weight.dtype), embeds.to(drafter.fc.weight.dtype), layout, backend)
+    draft_logits = target.head(hidden[sup].to(target.dtype))  # [S, V]
+    g = default_gamma(B) if gamma is None else gamma
+    return dflash_loss(draft_logits, target_logits, sup, gamma=g, kind=loss)
+
+
+def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:
+    """compute_loss + backward + clip + optimizer step; returns the metrics."""
+    drafter.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss, metrics = compute_loss(target, drafter, batch, **kw)
+    loss.backward()
+    if grad_clip:
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip))
+    optimizer.step()
+    return metrics
