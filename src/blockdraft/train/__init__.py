@@ -2,7 +2,7 @@
 
 from .anchors import eligible_anchors, sample_anchors
 from .loss import accepted_lengths, default_gamma, dflash_loss, slot_weights
-from .step import Batch, compute_loss, train_step
+from .step import Batch, compute_loss, prepare, train_step
 
 __all__ = ["Batch", "accepted_lengths", "compute_loss", "default_gamma", "dflash_loss", "eligible_anchors",
-           "sample_anchors", "slot_weights", "train_step"]
+           "prepare", "sample_anchors", "slot_weights", "train_step"]

@@ -90,10 +90,24 @@ def sample_batch_anchors(batch: Batch, flat: Flat, block_size: int, max_anchors:
     return torch.cat(rows)
 
 
-def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma: float | None = None,
-                 loss: str = "soft", generator: torch.Generator | None = None,
-                 backend: str = "auto", anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Loss and metrics of one batch. `anchors` (flat, sorted) overrides sampling."""
+@dataclass
+class Prepared:
+    """Everything a step needs before the drafter runs (no gradients)."""
+
+    anchors: torch.Tensor  # [N] sorted flat anchor positions
+    supervised: torch.Tensor  # [N, B] bool
+    target_logits: torch.Tensor  # [S, V] the target's own logits at a + k - 1 for supervised (j, k)
+    features: torch.Tensor  # [Bz*T, F*Ht]
+    block_embeds: torch.Tensor  # [N, B, Hd]
+    layout: BlockLayout
+
+
+def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator: torch.Generator | None = None,
+            anchors: torch.Tensor | None = None) -> Prepared:
+    """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
+
+    `anchors` (flat, sorted) overrides sampling.
+    """
     B = drafter.block_size
     Bz, T = batch.input_ids.shape
     if T < B:
@@ -116,14 +130,21 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma
     keep[lpos] = True
     out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep.view(Bz, T))
     row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row of out.logits
-    target_logits = out.logits[row_of[lpos]]  # [S, V]
-    layout = BlockLayout(flat.document_ids, flat.position_ids, anchors, B)
     embeds = target.embed(block_input_ids(flat.input_ids, anchors, B, drafter.mask_token_id))  # [N, B, Hd]
-    feats = out.features.reshape(Bz * T, -1)  # [Bz*T, F*Ht]
-    hidden = drafter(feats.to(drafter.fc.weight.dtype), embeds.to(drafter.fc.weight.dtype), layout, backend)
-    draft_logits = target.head(hidden[sup].to(target.dtype))  # [S, V]
-    g = default_gamma(B) if gamma is None else gamma
-    return dflash_loss(draft_logits, target_logits, sup, gamma=g, kind=loss)
+    return Prepared(anchors, sup, out.logits[row_of[lpos]], out.features.reshape(Bz * T, -1), embeds,
+                    BlockLayout(flat.document_ids, flat.position_ids, anchors, B))
+
+
+def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma: float | None = None,
+                 loss: str = "soft", generator: torch.Generator | None = None,
+                 backend: str = "auto", anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Loss and metrics of one batch (clause 7)."""
+    p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors)
+    dt = drafter.fc.weight.dtype
+    hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout, backend)  # [N, B, Hd]
+    draft_logits = target.head(hidden[p.supervised].to(target.dtype))  # [S, V]
+    g = default_gamma(drafter.block_size) if gamma is None else gamma
+    return dflash_loss(draft_logits, p.target_logits, p.supervised, gamma=g, kind=loss)
 
 
 def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:

@@ -1,0 +1,229 @@
+"""Conversation sources: JSONL / JSON / parquet files and in-memory datasets.
+
+Two record schemas are understood and normalised to one form, a list of
+``{"role": "system" | "user" | "assistant", "content": str}`` dicts:
+
+* OpenAI ``{"messages": [{"role": ..., "content": ...}, ...]}``
+* ShareGPT ``{"conversations": [{"from": ..., "value": ...}, ...]}``
+
+Role names are matched case-insensitively through `ROLES` (ShareGPT's human/gpt/chatgpt/
+bard/bing included). Content may be a string, ``None`` (read as "") or a list of OpenAI
+text parts (``{"type": "text", "text": ...}``), which are joined.
+
+Bad input (malformed JSON, a record without either schema, an unknown role, content that
+is not text) raises ValueError naming the file and line (JSONL), record index (JSON array,
+in-memory dataset) or row (parquet); with ``skip_bad_lines=True`` such records are skipped
+and counted instead. Conversations without an assistant turn are always skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+}
+
+Message = dict  # {"role": str, "content": str}
+
+
+@dataclass
+class LoadStats:
+    """Counts of one `load_conversations` call.
+
+    read: non-blank lines / records seen; kept: conversations returned;
+    bad_lines: records skipped as malformed (only with skip_bad_lines=True);
+    no_assistant: well-formed conversations skipped for having no assistant turn.
+    """
+
+    read: int = 0
+    kept: int = 0
+    bad_lines: int = 0
+    no_assistant: int = 0
+
+
+class BadRecord(Exception):
+    """Internal: a record that cannot be used; the message says why."""
+
+
+def _fix_hint() -> str:
+    return "fix or remove it, or pass skip_bad_lines=True to skip and count such records"
+
+
+def _text(content, index: int) -> str:
+    """Message content as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise BadRecord(f"message {index} has a content part that is not text: {part!r:.80}")
+        return "".join(parts)
+    raise BadRecord(f"message {index} has content of type {type(content).__name__}; expected a string")
+
+
+def _pick(turn: dict, *keys: str):
+    """The first of `keys` whose value is not None (pyarrow fills absent struct fields with None)."""
+    for k in keys:
+        if turn.get(k) is not None:
+            return turn[k]
+    return None
+
+
+def parse_record(record) -> list[Message]:
+    """Normalise one record of either schema; raises BadRecord."""
+    if not isinstance(record, dict):
+        raise BadRecord(f"expected an object with a 'messages' or 'conversations' list, got {type(record).__name__}")
+    turns = _pick(record, "messages", "conversations")
+    if turns is None:
+        raise BadRecord(f"no 'messages' (OpenAI) or 'conversations' (ShareGPT) key; keys are {sorted(record)[:10]}")
+    if not isinstance(turns, list):
+        raise BadRecord(f"'messages'/'conversations' must be a list, got {type(turns).__name__}")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRecord(f"message {i} is a {type(turn).__name__}, expected an object")
+        role = _pick(turn, "role", "from")
+        if role is None:
+            raise BadRecord(f"message {i} has no 'role' (OpenAI) or 'from' (ShareGPT) key")
+        mapped = ROLES.get(str(role).strip().lower())
+        if mapped is None:
+            raise BadRecord(f"message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
+        out.append({"role": mapped, "content": _text(_pick(turn, "content", "value"), i)})
+    return out
+
+
+# A source yields (where, record, error): `where` names the place for messages, `error`
+# is None or why the raw record could not even be decoded.
+Located = tuple[str, object, "str | None"]
+
+
+def _jsonl(path: Path) -> Iterator[Located]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig")
+            except UnicodeDecodeError as e:
+                yield where, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line), None
+            except json.JSONDecodeError as e:
+                yield where, None, f"malformed JSON ({e.msg} at column {e.colno})"
+
+
+def _json_array(path: Path, text: str) -> Iterator[Located]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}); the whole "
+                         f"file must be one JSON list of records (or use JSONL, one record per line)") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of records, got a {type(data).__name__}; "
+                         f"wrap the records in [...] or write one record per line (JSONL)")
+    for i, rec in enumerate(data):
+        yield f"{path}: record {i}", rec, None
+
+
+def _json(path: Path) -> Iterator[Located]:
+    """A .json file: a JSON list of records, or JSON lines under a .json name."""
+    with open(path, encoding="utf-8-sig") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):
+        with open(path, encoding="utf-8-sig") as f:
+            yield from _json_array(path, f.read())
+    else:
+        yield from _jsonl(path)
+
+
+def _parquet(path: Path) -> Iterator[Located]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow "
+                         f"(or convert the file to JSONL)") from None
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            yield f"{path}: row {row}", rec, None
+            row += 1
+
+
+READERS = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet}
+
+
+def _file(path: Path) -> Iterator[Located]:
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file; give a .jsonl, .json or .parquet file or a dataset object")
+    reader = READERS.get(path.suffix.lower())
+    if reader is None:
+        raise ValueError(f"{path}: unknown file type '{path.suffix}'; use one of {sorted(READERS)}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: the file is empty; it needs at least one conversation")
+    return reader(path)
+
+
+def _dataset(data: Iterable) -> Iterator[Located]:
+    for i, rec in enumerate(data):
+        yield f"record {i}", rec, None
+
+
+def _source(path_or_dataset) -> tuple[str, Iterator[Located]]:
+    if isinstance(path_or_dataset, (str, os.PathLike)):
+        path = Path(path_or_dataset).expanduser()
+        return str(path), _file(path)
+    if isinstance(path_or_dataset, (dict, bytes)) or not isinstance(path_or_dataset, Iterable):
+        raise ValueError(f"expected a file path or an iterable of records (e.g. a datasets.Dataset), "
+                         f"got {type(path_or_dataset).__name__}")
+    return "the dataset", _dataset(path_or_dataset)
+
+
+def load_conversations(path_or_dataset, *, skip_bad_lines: bool = False) -> tuple[list[list[Message]], LoadStats]:
+    """Read conversations from a .jsonl/.json/.parquet file or an iterable of records.
+
+    Returns (conversations, stats); each conversation is a list of {"role", "content"}
+    dicts with roles system/user/assistant, in their original order.
+    """
+    name, records = _source(path_or_dataset)
+    stats = LoadStats()
+    out: list[list[Message]] = []
+    for where, record, error in records:
+        stats.read += 1
+        try:
+            if error is not None:
+                raise BadRecord(error)
+            messages = parse_record(record)
+        except BadRecord as e:
+            if not skip_bad_lines:
+                raise ValueError(f"{where}: {e}; {_fix_hint()}") from None
+            stats.bad_lines += 1
+            continue
+        if not any(m["role"] == "assistant" for m in messages):
+            stats.no_assistant += 1
+            continue
+        out.append(messages)
+    if stats.read == 0:
+        raise ValueError(f"{name} holds no records; it needs at least one conversation")
+    stats.kept = len(out)
+    return out, stats

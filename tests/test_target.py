@@ -1,0 +1,131 @@
+"""Clauses 1 and 3: feature layers and labels, against transformers' own outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdraft.config import default_target_layer_ids
+from blockdraft.target import TargetModel, hidden_states_index, layer_id_from_hidden_states_index
+from conftest import ARCHS, V, tiny_causal_lm, tiny_target
+
+
+def test_default_layer_ids_match_the_contract():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    # round-half-up: 1 + 26/4 = 7.5 -> 8 and 1 + 3*26/4 = 20.5 -> 21
+    assert default_target_layer_ids(30) == [1, 8, 14, 21, 27]
+    assert default_target_layer_ids(36, 1) == [18]
+    for n in range(6, 80):
+        for f in range(2, 6):
+            ref = [int(1 + i * (n - 4) / (f - 1) + 0.5) for i in range(f)]
+            if len(set(ref)) == f:
+                assert default_target_layer_ids(n, f) == ref
+            else:  # too shallow for f distinct layers: refused, never silently merged
+                with pytest.raises(ValueError):
+                    default_target_layer_ids(n, f)
+
+
+def test_too_many_features_for_a_shallow_target_is_an_error():
+    with pytest.raises(ValueError, match="num-features"):
+        default_target_layer_ids(4, 5)
+
+
+def test_hidden_states_index_is_the_one_plus_one():
+    assert hidden_states_index(0) == 1 and layer_id_from_hidden_states_index(hidden_states_index(7)) == 7
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_features_equal_output_hidden_states(arch):
+    t = tiny_target(arch, num_features=3)
+    ids = torch.randint(0, V - 1, (2, 24))
+    out = t(ids)
+    ref = t.model(ids, output_hidden_states=True).hidden_states
+    H = t.hidden_size
+    assert out.features.shape == (2, 24, 3 * H)
+    for j, lid in enumerate(t.layer_ids):
+        torch.testing.assert_close(out.features[..., j * H:(j + 1) * H], ref[lid + 1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_the_models_own_logits(arch):
+    t = tiny_target(arch)
+    ids = torch.randint(0, V - 1, (2, 24))
+    ref = t.model(ids).logits
+    torch.testing.assert_close(t(ids).logits, ref, rtol=0, atol=0)
+    # only at chosen positions: same values, flattened row-major
+    keep = torch.rand(2, 24) < 0.3
+    keep[0, 5] = True
+    torch.testing.assert_close(t(ids, logits_mask=keep).logits, ref[keep], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_on_the_final_normed_state_gives_the_logits(arch):
+    """What an offline cache stores (the final normed state) + the target head = the logits: one norm, never two."""
+    t = tiny_target(arch)
+    ids = torch.randint(0, V - 1, (1, 16))
+    last = t.model.model(ids).last_hidden_state
+    ref = t.model(ids).logits
+    torch.testing.assert_close(t.head(last), ref, rtol=1e-6, atol=1e-6)
+    # a doubled norm is visibly wrong, so the comparison above has teeth
+    assert not torch.allclose(t.head(t.model.model.norm(last)), ref, atol=1e-3)
+
+
+def test_hooks_only_on_the_chosen_layers_and_nothing_kept():
+    t = tiny_target("llama", layer_ids=[0, 3])
+    layers = t.model.model.layers
+    hooked = [i for i, layer in enumerate(layers) if layer._forward_hooks]
+    assert hooked == [0, 3]
+    t(torch.randint(0, V - 1, (1, 8)))
+    assert t._captured == {}
+
+
+def test_packed_documents_do_not_see_each_other():
+    t = tiny_target("qwen3")
+    a, b = torch.randint(0, V - 1, (1, 10)), torch.randint(0, V - 1, (1, 14))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    packed = t(torch.cat([a, b], 1), position_ids=pos)
+    ra, rb = t(a), t(b)
+    torch.testing.assert_close(packed.features, torch.cat([ra.features, rb.features], 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.logits, torch.cat([ra.logits, rb.logits], 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ids", [[6], [-1], [2, 2], []])
+def test_bad_layer_ids(ids):
+    with pytest.raises(ValueError):
+        tiny_target("llama", layer_ids=ids)
+
+
+def test_last_layer_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match=r"\[0, 4\]"):
+        tiny_target("llama", layer_ids=[1, 5])
+
+
+def test_mask_token_checks(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    model = tiny_causal_lm("llama", vocab=len(tok))
+    t = TargetModel(model, tok, num_features=3)
+    assert t.mask_token_id not in {tok.pad_token_id, tok.eos_token_id, tok.unk_token_id, tok.bos_token_id}
+    assert 0 <= t.mask_token_id < len(tok)
+    assert t.mask_token_id not in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    for bad in (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id, len(tok), -1):
+        with pytest.raises(ValueError, match="mask_token_id"):
+            TargetModel(model, tok, num_features=3, mask_token_id=bad)
+
+
+def test_input_must_be_2d():
+    t = tiny_target("llama")
+    with pytest.raises(ValueError, match="batch, tokens"):
+        t(torch.zeros(5, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_smollm2_labels_and_features(smollm2_dir):
+    t = TargetModel.from_pretrained("smollm2")
+    assert t.layer_ids == [1, 8, 14, 21, 27] and t.hidden_size == 576 and t.vocab_size == 49152
+    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ref = t.model(ids, output_hidden_states=True)
+    out = t(ids)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+    for j, lid in enumerate(t.layer_ids):
+        torch.testing.assert_close(out.features[..., j * 576:(j + 1) * 576], ref.hidden_states[lid + 1], rtol=0, atol=0)
