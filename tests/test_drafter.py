@@ -161,3 +161,58 @@ def test_unknown_config_field_is_an_error():
     data["bogus"] = 1
     with pytest.raises(ValueError, match="bogus"):
         DrafterConfig.from_dict(data)
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta):
+    """x [S, H, D] rotated at integer positions pos [S], the half-split convention."""
+    D = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    ang = pos[:, None].float() * inv[None, :]  # [S, D/2]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def naive_block(d, feats, emb, layout, j):
+    """One block through the drafter, written from the contract with explicit loops and matmuls."""
+    c = d.config
+    a = int(layout.anchors[j])
+    doc, pos = layout.document_ids, layout.position_ids
+    seen = [p for p in range(a) if doc[p] == doc[a]]  # clause 5, full-attention layers
+    ctx = _rms(feats[seen] @ d.fc.weight.T, d.hidden_norm.weight, c.rms_norm_eps)  # clause 2
+    ctx_pos = pos[seen]
+    blk_pos = pos[a] + torch.arange(c.block_size)
+    h = emb[j]
+    for layer in d.layers:
+        at = layer.self_attn
+        x = _rms(h, layer.input_layernorm.weight, c.rms_norm_eps)
+        q = _rms((x @ at.q_proj.weight.T).view(-1, at.hq, at.d), at.q_norm.weight, c.rms_norm_eps)
+        kin = torch.cat([ctx, x])
+        k = _rms((kin @ at.k_proj.weight.T).view(-1, at.hkv, at.d), at.k_norm.weight, c.rms_norm_eps)
+        v = (kin @ at.v_proj.weight.T).view(-1, at.hkv, at.d)
+        q = _rope(q, blk_pos, c.rope_theta)
+        k = _rope(k, torch.cat([ctx_pos, blk_pos]), c.rope_theta)
+        outs = []
+        for hq in range(at.hq):
+            hk = hq // (at.hq // at.hkv)
+            w = torch.softmax(q[:, hq] @ k[:, hk].T / at.d ** 0.5, dim=-1)
+            outs.append(w @ v[:, hk])
+        h = h + torch.cat(outs, -1) @ at.o_proj.weight.T
+        y = _rms(h, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+        m = layer.mlp
+        h = h + (torch.nn.functional.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    return _rms(h, d.norm.weight, c.rms_norm_eps)
+
+
+@pytest.mark.parametrize("backend", ["dense", "chunked"])
+def test_drafter_matches_a_naive_reference(backend):
+    d = make_drafter(sliding=False)
+    layout, feats, embeds = layout_and_inputs(d)
+    with torch.no_grad():
+        out = d(feats, embeds, layout, backend)
+        for j in range(len(layout.anchors)):
+            torch.testing.assert_close(out[j], naive_block(d, feats, embeds, layout, j), rtol=1e-4, atol=1e-4)
