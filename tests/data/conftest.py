@@ -9,18 +9,9 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir():
-    from blockdraft.target import resolve_target
-
-    path, _ = resolve_target("smollm2")  # converts the embedded GGUF on first use (~20 s)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir)
+def tok(smollm2_tokenizer):
+    """The real SmolLM2 tokenizer (fixture of tests/conftest.py)."""
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ def _fallback_text(tokenizer, messages: list[dict], add_generation_prompt: bool)
 def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
     """The conversation as text: the tokenizer's chat template, or the plain fallback."""
     for i, m in enumerate(messages):
-        if m.get("role") not in FALLBACK_PREFIX or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or m.get("role") not in FALLBACK_PREFIX or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}, "
                              f"got {m!r:.100}; load data with load_conversations to normalise it")
     if not has_chat_template(tokenizer):
