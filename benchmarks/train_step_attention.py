@@ -3,72 +3,81 @@
 The claim under test (from the project's issue): attention over the context must not cost
 the full Q x T rectangle when most of it is masked (a block sees at most its anchor's
 document prefix), and padded anchors must cost nothing. Goal: the fast step is at least
-1.5x faster and uses at most 0.6x the peak memory of the dense step.
+1.5x faster and needs at most 0.6x the peak memory of the dense step.
 
 Workload (no real target model is loaded; everything is random but seeded)
 --------------------------------------------------------------------------
 * DrafterConfig with SmolLM2-135M-like geometry: hidden 576, 9 query / 3 key-value heads,
-  head_dim 64, intermediate 1536, vocab 49152, target of 30 layers with feature layers
-  [1, 8, 14, 21, 27] (so features are [T, 5*576 = 2880]), `--layers` drafter layers
-  (default 2), block size `--block` (default 16).
-* A frozen random `lm_head` nn.Linear(576, 49152) stands in for the target's head, random
-  features [T, 2880] for the captured target layers, random block embeddings [N, B, 576]
-  for the target's (frozen) embedding of the block tokens, and random target logits
-  [S, 49152] as labels of the S supervised slots. None of these require grad; only the
-  drafter's parameters do.
+  head_dim 64, intermediate 1536, vocab 49152, mask token 16, a 30-layer target with
+  feature layers [1, 8, 14, 21, 27] (features are [T, 5*576 = 2880]), `--layers` drafter
+  layers (default 2), block size `--block` (default 16).
+* A frozen random `lm_head` nn.Linear(576, 49152) stands in for the target's head; random
+  features [T, 2880] for the captured target layers; random block embeddings [N, B, 576]
+  for the target's frozen embedding of the block tokens; random target logits [S, 49152]
+  as the labels of the S supervised slots. Only the drafter's parameters require grad.
 * Layout: one packed sequence of T = `--seq` positions holding `--docs` documents of
-  unequal lengths (weights n-i+1/2, e.g. 1152/896/640/384 for T=3072, 4 docs). Each
-  document is a conversation: alternating user turns (loss_mask 0, 30-150 tokens) and
+  unequal lengths (weights n-i+1/2: 1152/896/640/384 for T=3072 and 4 docs). Each
+  document is a conversation of alternating user turns (loss_mask 0, 30-150 tokens) and
   assistant turns (loss_mask 1, 80-400 tokens). Anchors come from
-  `sample_anchors(document_ids, loss_mask, B, max_anchors=V)` with V = `--valid-anchors`
-  (default: `--anchors`); if fewer positions are eligible, fewer are returned.
+  `sample_anchors(document_ids, loss_mask, B, max_anchors=--valid-anchors)` (default
+  --valid-anchors = --anchors; fewer come back if fewer positions are eligible), and
   `supervised_slots` gives the [N, B] slots that carry loss.
 
 What the two sides compute (same weights, same inputs, same loss)
 -----------------------------------------------------------------
 * fast  ("chunked" backend): the drafter runs on the N valid anchors only (sorted), with
-  BlockLayout(max_chunk_blocks=`--chunk-blocks`): consecutive blocks of one document are
-  grouped into chunks and each chunk's SDPA reads only its context range
-  [document start, last anchor) plus its own block rows.
-* dense (baseline, "dense" backend): the anchor list is padded up to `--anchors` slots
-  (the maximum) with dummy anchors at position 0, whose block embeddings are random and
-  whose slots are all unsupervised (zero loss weight). Every layer runs one SDPA over all
+  BlockLayout(max_chunk_blocks=--chunk-blocks): consecutive blocks of one document form a
+  chunk whose SDPA reads only its context range [document start, last anchor) plus the
+  chunk's own block rows.
+* dense (baseline, "dense" backend): the anchor list is padded up to --anchors slots (the
+  maximum) with dummy anchors at position 0, whose block embeddings are random and whose
+  slots are all unsupervised (zero loss weight). Every layer runs one SDPA over all
   Q = anchors*B queries and T + Q keys with the reference boolean mask
-  `anchor_block_mask` [Q, T+Q] (rebuilt by the backend on every layer call, as the
-  library does).
-* Both sides then take the final hidden states of the supervised slots only (row-major,
-  so the padded rows contribute nothing and the order is identical), apply the frozen
-  lm_head and `dflash_loss(kind=--loss, gamma=default_gamma(B))` (slot-weighted soft
-  cross-entropy by default), and call backward() into the drafter's parameters.
+  `anchor_block_mask` [Q, T+Q] (which the dense backend rebuilds on every layer call).
+* Both sides then take the final hidden states of the supervised slots only (row-major, so
+  padded rows contribute nothing and the slot order is identical), apply the frozen
+  lm_head, `dflash_loss(kind=--loss, gamma=default_gamma(B))` (slot-weighted soft
+  cross-entropy by default, metrics included) and backward() into the drafter.
   The BlockLayout is built inside the timed step on both sides (chunk planning is part of
-  the fast path's cost); anchor sampling and random inputs are set-up, not timed.
-* Equivalence: the script asserts that both sides give the same loss (relative 1e-4) and
-  the same gradient norm of the drafter parameters (relative 1e-3), so the benchmark also
-  proves that the padded anchors and the chunking change nothing in the result.
+  the fast path's cost); anchor sampling and the random inputs are set-up, not timed.
+* Equivalence: the script checks that both sides give the same loss (relative 1e-4) and
+  the same gradient norm over the drafter's parameters (relative 1e-3), so the benchmark
+  also shows that padded anchors and chunking leave the result unchanged. It exits with
+  status 1 when they differ.
 
 How time and memory are measured
 --------------------------------
-Each side runs in its own fresh Python subprocess (this file re-invoked with `--worker`),
-one after the other, with torch.set_num_threads(`--threads`). In the subprocess:
-set-up, one warm-up step (its loss and grad norm are the values compared), then
-`gc.collect()` and glibc `malloc_trim(0)` so that freed heap pages go back to the OS, then
-the resident set size RSS0 is read from /proc/self/status, the kernel's peak-RSS
-high-water mark is reset (`echo 5 > /proc/self/clear_refs`), `--repeats` steps are timed
-with time.perf_counter (gradients are set to None before each step), and the peak memory
-of a step is VmHWM - RSS0: the largest amount of extra physical memory the training step
-needed above everything that existed before it (weights, inputs, labels). It is what the
-OS sees, so it includes allocator overhead and SDPA scratch buffers that tensor-level
-accounting would miss. If the high-water mark cannot be reset (non-Linux, no permission)
-ru_maxrss - RSS0 is reported instead and flagged as an upper bound (it then also contains
-the set-up peak). The reported time is the median of the repeats. Ratios (fast / dense)
-come from one invocation of the script; absolute numbers depend on the machine.
+All measurements run in one child process (this file re-invoked with `--worker`, so that
+an out-of-memory kill is reported instead of taking the report down), with
+torch.set_num_threads(--threads). Both sides are set up, each does one warm-up step (the
+values compared for equivalence), then --repeats rounds run one step of each side,
+alternating which side goes first, so that load from other processes on a shared machine
+hits both sides alike. The time of a side is the median of its steps (time.perf_counter).
+
+Peak memory is the operating system's view of physical memory: before every timed step
+the script frees the previous step's gradients, runs gc.collect() and glibc
+malloc_trim(0) (so freed heap pages go back to the OS), reads the resident set size RSS0
+from /proc/self/status and resets the kernel's peak-RSS mark (`5` written to
+/proc/self/clear_refs). The step's peak is VmHWM - RSS0: the most physical memory the
+step needed on top of everything that existed before it (weights, inputs, labels). It
+includes allocator overhead and SDPA scratch buffers, which tensor-level accounting would
+miss. A side's peak is the maximum over its timed steps. Where the mark cannot be reset
+(non-Linux, no permission) the numbers are flagged as upper bounds.
+
+Each step is also split at the gradient of the drafter's output (a tensor hook): the
+"drafter" part is the drafter's forward plus its backward (where the two attention
+backends differ), the "head+loss" part is lm_head, loss and their backward (identical work
+on both sides). The peak of each part is reported as well (high-water mark reset at the
+boundaries), to show where the memory goes.
+
+--chunk-sweep times the drafter alone (forward + backward from a fixed random gradient of
+its output, no head or loss) on the fast side for several max_chunk_blocks values.
 
 Usage
 -----
-    python benchmarks/train_step_attention.py                 # seq 3072, 512 anchors, block 16
-    python benchmarks/train_step_attention.py --valid-anchors 384   # dense pads 128 anchor slots
-    python benchmarks/train_step_attention.py --chunk-sweep 8,16,64 # extra fast-side timings
-    python benchmarks/train_step_attention.py --json out.json
+    python benchmarks/train_step_attention.py                         # seq 3072, 512 anchors, block 16
+    python benchmarks/train_step_attention.py --valid-anchors 384     # dense pads 128 anchor slots
+    python benchmarks/train_step_attention.py --chunk-sweep 8,16,32,64 --json out.json
 """
 
 from __future__ import annotations
@@ -90,6 +99,7 @@ LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-3
 GOAL_SPEEDUP = 1.5
 GOAL_MEMORY = 0.6
+SIDES = ("dense", "fast")
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -97,10 +107,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=3072, help="packed sequence length T")
-    p.add_argument("--anchors", type=int, default=512, help="anchor slots (the maximum; dense pads to this)")
+    p.add_argument("--anchors", type=int, default=512, help="anchor slots (the maximum; the dense side pads to it)")
     p.add_argument("--valid-anchors", type=int, default=None,
-                   help="max_anchors passed to sample_anchors (default: --anchors); the fast side uses "
-                        "what is sampled, the dense side pads it up to --anchors")
+                   help="max_anchors given to sample_anchors (default: --anchors); the fast side uses what "
+                        "is sampled, the dense side pads it up to --anchors")
     p.add_argument("--block", type=int, default=16, help="block size B")
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--docs", type=int, default=4, help="documents packed into the sequence")
@@ -108,18 +118,22 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--chunk-blocks", type=int, default=32, help="BlockLayout.max_chunk_blocks of the fast side")
     p.add_argument("--chunk-sweep", type=str, default="",
-                   help="comma-separated extra max_chunk_blocks values to time on the fast side")
-    p.add_argument("--loss", choices=("soft", "hard", "kl"), default="soft")
+                   help="comma-separated max_chunk_blocks values: time the drafter alone (fwd+bwd) on the "
+                        "fast side for each")
+    p.add_argument("--loss", choices=("soft", "hard", "kl"), default="soft", help="dflash_loss kind")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=str, default=None, help="write the results to this file")
-    # internal: run one side in this process and write its result to --result
-    p.add_argument("--worker", choices=("fast", "dense"), default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", type=str, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # internal: result file
     args = p.parse_args(argv)
     if args.valid_anchors is None:
         args.valid_anchors = args.anchors
     if not 1 <= args.valid_anchors <= args.anchors:
         p.error("--valid-anchors must be in [1, --anchors]")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    args.sweep = sorted({int(c) for c in args.chunk_sweep.split(",") if c.strip()})
+    if any(c < 1 for c in args.sweep):
+        p.error("--chunk-sweep values must be >= 1")
     return args
 
 
@@ -132,37 +146,51 @@ def _status_kib(field: str) -> int:
     return int(m.group(1))
 
 
-def current_rss_bytes() -> int:
-    try:
-        return _status_kib("VmRSS") * 1024
-    except OSError:
-        return 0
+class Memory:
+    """Peak physical memory of a code region above the resident memory at its start."""
 
+    def __init__(self):
+        self.resettable = self._reset()
 
-def release_free_memory() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
+    @staticmethod
+    def rss() -> int:
+        try:
+            return _status_kib("VmRSS") * 1024
+        except OSError:
+            return 0
 
+    @staticmethod
+    def peak() -> int:
+        try:
+            return _status_kib("VmHWM") * 1024
+        except OSError:  # ru_maxrss: KiB on Linux, bytes on macOS
+            r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return r if sys.platform == "darwin" else r * 1024
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark of this process; False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_kib("VmHWM") * 1024 <= current_rss_bytes() + (1 << 20)
-    except OSError:
-        return False
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return _status_kib("VmHWM") <= _status_kib("VmRSS") + 1024
+        except OSError:
+            return False
 
+    def start(self) -> int:
+        """Release freed memory to the OS, reset the peak mark; returns RSS0."""
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        self._reset()
+        return self.rss()
 
-def peak_rss_bytes() -> int:
-    try:
-        return _status_kib("VmHWM") * 1024
-    except OSError:  # ru_maxrss is KiB on Linux, bytes on macOS
-        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return r if sys.platform == "darwin" else r * 1024
+    def mark(self) -> int:
+        """Peak RSS since the last reset, then reset (phase boundaries)."""
+        p = self.peak()
+        self._reset()
+        return p
 
 
 # ----------------------------------------------------------------------------- workload
@@ -176,7 +204,7 @@ def drafter_config(args):
 
 
 def packed_layout(T: int, docs: int, gen):
-    """document_ids, position_ids, loss_mask [T] of `docs` unequal conversations."""
+    """document_ids, position_ids, loss_mask [T]: `docs` conversations of unequal lengths."""
     import torch
 
     weights = [docs - i + 0.5 for i in range(docs)]
@@ -199,8 +227,8 @@ def packed_layout(T: int, docs: int, gen):
     return torch.cat(doc_ids), torch.cat(pos_ids), torch.cat(mask)
 
 
-def build(args, side: str):
-    """Everything the timed step needs, identical on both sides for the valid anchors."""
+def build(args) -> dict:
+    """Shared model and inputs plus each side's anchors, block embeddings and supervised slots."""
     import torch
     from torch import nn
 
@@ -220,46 +248,83 @@ def build(args, side: str):
     document_ids, position_ids, loss_mask = packed_layout(T, args.docs, gen)
     anchors = sample_anchors(document_ids, loss_mask, B, args.valid_anchors, generator=gen)
     sup = supervised_slots(document_ids, loss_mask, anchors, B)  # [N, B]
-    N, S = int(anchors.numel()), int(sup.sum())
+    N = int(anchors.numel())
     features = torch.randn(T, cfg.feature_size, generator=gen)
     embeds = torch.randn(N, B, H, generator=gen)
-    target_logits = 2.0 * torch.randn(S, V, generator=gen)
+    target_logits = 2.0 * torch.randn(int(sup.sum()), V, generator=gen)
 
     n_pad = args.anchors - N
-    if side == "dense" and n_pad > 0:
-        pad_gen = torch.Generator().manual_seed(args.seed + 2)
-        anchors = torch.cat([anchors, torch.zeros(n_pad, dtype=torch.long)])  # dummy anchors at position 0
-        embeds = torch.cat([embeds, torch.randn(n_pad, B, H, generator=pad_gen)])
-        sup = torch.cat([sup, torch.zeros(n_pad, B, dtype=torch.bool)])  # zero loss weight
+    pad_embeds = torch.randn(n_pad, B, H, generator=torch.Generator().manual_seed(args.seed + 2))
+    sides = {
+        "fast": dict(backend="chunked", anchors=anchors, embeds=embeds, sup=sup, padded=0),
+        "dense": dict(backend="dense",
+                      anchors=torch.cat([anchors, torch.zeros(n_pad, dtype=torch.long)]),  # dummies at position 0
+                      embeds=torch.cat([embeds, pad_embeds]),
+                      sup=torch.cat([sup, torch.zeros(n_pad, B, dtype=torch.bool)]),  # zero loss weight
+                      padded=n_pad),
+    }
     return dict(cfg=cfg, drafter=drafter, lm_head=lm_head, document_ids=document_ids, position_ids=position_ids,
-                loss_mask=loss_mask, anchors=anchors, sup=sup, features=features, embeds=embeds,
-                target_logits=target_logits, n_valid=N, n_pad=n_pad if side == "dense" else 0, supervised=S)
+                loss_mask=loss_mask, features=features, target_logits=target_logits, sides=sides, valid=N,
+                eligible_loss_tokens=int(loss_mask.sum()))
 
 
-def train_step(w, backend: str, chunk_blocks: int, loss_kind: str):
-    """Forward + backward of one step; returns the loss value."""
+def layout_of(w, side: dict, chunk_blocks: int):
     from blockdraft.model.attention import BlockLayout
+
+    return BlockLayout(w["document_ids"], w["position_ids"], side["anchors"], w["cfg"].block_size,
+                       max_chunk_blocks=chunk_blocks)
+
+
+def train_step(w, side: dict, chunk_blocks: int, loss_kind: str, mem: Memory | None = None) -> dict:
+    """Forward + backward of one step, timed and (with `mem`) memory-tracked per phase."""
     from blockdraft.train.loss import default_gamma, dflash_loss
 
     B = w["cfg"].block_size
-    layout = BlockLayout(w["document_ids"], w["position_ids"], w["anchors"], B, max_chunk_blocks=chunk_blocks)
-    hidden = w["drafter"](w["features"], w["embeds"], layout, backend)  # [N, B, H]
-    draft_logits = w["lm_head"](hidden[w["sup"]])  # [S, V], supervised slots only
-    loss, _ = dflash_loss(draft_logits, w["target_logits"], w["sup"], gamma=default_gamma(B), kind=loss_kind)
+    marks = {}
+
+    def on_hidden_grad(grad):
+        marks["t_hidden_grad"] = time.perf_counter()
+        if mem is not None:
+            marks["peak_head"] = mem.mark()
+        return grad
+
+    t0 = time.perf_counter()
+    layout = layout_of(w, side, chunk_blocks)
+    hidden = w["drafter"](w["features"], side["embeds"], layout, side["backend"])  # [N, B, H]
+    t1 = time.perf_counter()
+    if mem is not None:
+        marks["peak_drafter_fwd"] = mem.mark()
+    hidden.register_hook(on_hidden_grad)
+    draft_logits = w["lm_head"](hidden[side["sup"]])  # [S, V]: supervised slots only
+    loss, _ = dflash_loss(draft_logits, w["target_logits"], side["sup"], gamma=default_gamma(B), kind=loss_kind)
+    del draft_logits
     loss.backward()
-    return float(loss.detach())
+    t4 = time.perf_counter()
+    if mem is not None:
+        marks["peak_drafter_bwd"] = mem.mark()
+    t3 = marks["t_hidden_grad"]
+    out = {"loss": float(loss.detach()), "time": t4 - t0, "time_drafter": (t1 - t0) + (t4 - t3),
+           "time_head": t3 - t1}
+    if mem is not None:
+        out.update({k: v for k, v in marks.items() if k.startswith("peak")})
+    return out
 
 
-def attention_work(w, backend: str, chunk_blocks: int) -> dict:
-    """Score-matrix elements per head and layer that SDPA is asked to compute."""
-    from blockdraft.model.attention import BlockLayout
+def drafter_only(w, side: dict, chunk_blocks: int, grad) -> float:
+    """Forward + backward of the drafter alone from a fixed output gradient; seconds."""
+    t0 = time.perf_counter()
+    hidden = w["drafter"](w["features"], side["embeds"], layout_of(w, side, chunk_blocks), side["backend"])
+    hidden.backward(grad)
+    return time.perf_counter() - t0
 
+
+def attention_work(w, side: dict, chunk_blocks: int) -> dict:
+    """SDPA calls per layer and score-matrix elements per head and layer that SDPA computes."""
     T, B = w["document_ids"].shape[0], w["cfg"].block_size
-    N = int(w["anchors"].numel())
-    if backend == "dense":
+    N = int(side["anchors"].numel())
+    if side["backend"] == "dense":
         return {"sdpa_calls_per_layer": 1, "score_elements": N * B * (T + N * B)}
-    layout = BlockLayout(w["document_ids"], w["position_ids"], w["anchors"], B, max_chunk_blocks=chunk_blocks)
-    chunks = layout.chunks(None)
+    chunks = layout_of(w, side, chunk_blocks).chunks(None)
     elems = sum((c.j1 - c.j0) * B * ((c.hi - c.lo) + (c.j1 - c.j0) * B) for c in chunks)
     return {"sdpa_calls_per_layer": len(chunks), "score_elements": elems}
 
@@ -268,10 +333,8 @@ def worker(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    side = args.worker
-    backend = "chunked" if side == "fast" else "dense"
     t0 = time.perf_counter()
-    w = build(args, side)
+    w = build(args)
     setup_s = time.perf_counter() - t0
     params = [p for p in w["drafter"].parameters() if p.requires_grad]
 
@@ -279,119 +342,144 @@ def worker(args) -> dict:
         for p in params:
             p.grad = None
 
-    zero_grad()
-    t0 = time.perf_counter()
-    loss = train_step(w, backend, args.chunk_blocks, args.loss)
-    warmup_s = time.perf_counter() - t0
-    grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-    zero_grad()
-
-    release_free_memory()
-    rss0 = current_rss_bytes()
-    exact = reset_peak_rss()
-    if not exact:
-        rss0 = current_rss_bytes()
-    times = []
-    for _ in range(args.repeats):
+    res = {name: {"backend": w["sides"][name]["backend"], "padded_anchors": w["sides"][name]["padded"],
+                  "queries": int(w["sides"][name]["anchors"].numel()) * args.block,
+                  **attention_work(w, w["sides"][name], args.chunk_blocks), "steps": []} for name in SIDES}
+    for name in SIDES:  # warm-up; its loss and gradient are compared
         zero_grad()
-        t0 = time.perf_counter()
-        loss_r = train_step(w, backend, args.chunk_blocks, args.loss)
-        times.append(time.perf_counter() - t0)
-        if abs(loss_r - loss) > 1e-5 * max(1.0, abs(loss)):
-            raise AssertionError(f"{side}: loss changed between repeats ({loss} -> {loss_r})")
-    peak = peak_rss_bytes() - rss0
-    return {
-        "side": side, "backend": backend, "chunk_blocks": args.chunk_blocks if side == "fast" else None,
-        "time_s": statistics.median(times), "times_s": times, "warmup_s": warmup_s, "setup_s": setup_s,
-        "peak_bytes": peak, "baseline_rss_bytes": rss0,
-        "memory_method": "VmHWM-after-reset minus RSS0" if exact else "ru_maxrss minus RSS0 (upper bound)",
-        "loss": loss, "grad_norm": grad_norm, "valid_anchors": w["n_valid"], "padded_anchors": w["n_pad"],
-        "queries": int(w["anchors"].numel()) * w["cfg"].block_size, "supervised_slots": w["supervised"],
-        **attention_work(w, backend, args.chunk_blocks),
-    }
+        r = train_step(w, w["sides"][name], args.chunk_blocks, args.loss)
+        res[name]["loss"] = r["loss"]
+        res[name]["grad_norm"] = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        res[name]["warmup_s"] = r["time"]
+        zero_grad()
+
+    mem = Memory()
+    for rnd in range(args.repeats):
+        for name in (SIDES if rnd % 2 == 0 else SIDES[::-1]):
+            zero_grad()
+            rss0 = mem.start()
+            r = train_step(w, w["sides"][name], args.chunk_blocks, args.loss, mem)
+            for k in ("peak_drafter_fwd", "peak_head", "peak_drafter_bwd"):
+                r[k] -= rss0
+            r["peak"] = max(r["peak_drafter_fwd"], r["peak_head"], r["peak_drafter_bwd"])
+            r["rss0"] = rss0
+            res[name]["steps"].append(r)
+            if abs(r["loss"] - res[name]["loss"]) > 1e-5 * max(1.0, abs(res[name]["loss"])):
+                raise AssertionError(f"{name}: loss changed between steps ({res[name]['loss']} -> {r['loss']})")
+    zero_grad()
+    for name in SIDES:
+        steps = res[name]["steps"]
+        for key in ("time", "time_drafter", "time_head"):
+            res[name][key] = statistics.median(s[key] for s in steps)
+        for key in ("peak", "peak_drafter_fwd", "peak_head", "peak_drafter_bwd"):
+            res[name][key] = max(s[key] for s in steps)
+
+    sweep = []
+    if args.sweep:
+        side = w["sides"]["fast"]
+        grad = torch.randn(side["embeds"].shape, generator=torch.Generator().manual_seed(args.seed + 3))
+        for c in args.sweep:  # warm-up
+            drafter_only(w, side, c, grad)
+            zero_grad()
+        times = {c: [] for c in args.sweep}
+        for rnd in range(args.repeats):
+            for c in (args.sweep if rnd % 2 == 0 else args.sweep[::-1]):
+                times[c].append(drafter_only(w, side, c, grad))
+                zero_grad()
+        sweep = [{"chunk_blocks": c, "time_drafter_only": statistics.median(times[c]), "times": times[c],
+                  **attention_work(w, side, c)} for c in args.sweep]
+
+    return {"sides": res, "sweep": sweep, "setup_s": setup_s, "valid_anchors": w["valid"],
+            "supervised_slots": int(w["sides"]["fast"]["sup"].sum()), "loss_tokens": w["eligible_loss_tokens"],
+            "memory_exact": mem.resettable, "torch": torch.__version__}
 
 
 # ----------------------------------------------------------------------------- driver
-def run_side(args, side: str, chunk_blocks: int | None = None) -> dict:
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", side]
-    for name in ("seq", "anchors", "valid_anchors", "block", "layers", "docs", "repeats", "threads",
-                 "chunk_blocks", "loss", "seed"):
-        value = getattr(args, name)
-        if name == "chunk_blocks" and chunk_blocks is not None:
-            value = chunk_blocks
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        t0 = time.perf_counter()
-        proc = subprocess.run(argv + ["--result", out], capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0 or not os.path.exists(out):
-            why = "killed by signal %d (out of memory?)" % -proc.returncode if proc.returncode < 0 else \
-                "exit status %d" % proc.returncode
-            sys.stderr.write(proc.stdout + proc.stderr)
-            raise SystemExit(f"{side} side failed after {wall:.0f} s: {why}")
-        with open(out) as f:
-            res = json.load(f)
-    res["process_wall_s"] = wall
-    return res
-
-
 def mib(b: float) -> float:
     return b / 2 ** 20
+
+
+def report(args, out: dict) -> int:
+    d, f = out["sides"]["dense"], out["sides"]["fast"]
+    T = args.seq
+    print(f"valid anchors {out['valid_anchors']} (fast side), dense pads {d['padded_anchors']} -> "
+          f"Q = {d['queries']} queries x {T + d['queries']} keys; supervised slots {out['supervised_slots']}; "
+          f"set-up {out['setup_s']:.1f} s")
+    print(f"{'backend':<10}{'step s':>8}{'drafter s':>11}{'head+loss s':>13}{'peak MiB':>10}{'drafter fwd':>13}"
+          f"{'head+loss':>11}{'drafter bwd':>13}{'SDPA/layer':>12}{'scores/head':>13}")
+    print(f"{'':<42}{'(peak MiB by phase, above RSS0)':>40}")
+    for name in SIDES:
+        r = out["sides"][name]
+        print(f"{r['backend']:<10}{r['time']:>8.2f}{r['time_drafter']:>11.2f}{r['time_head']:>13.2f}"
+              f"{mib(r['peak']):>10.0f}{mib(r['peak_drafter_fwd']):>13.0f}{mib(r['peak_head']):>11.0f}"
+              f"{mib(r['peak_drafter_bwd']):>13.0f}{r['sdpa_calls_per_layer']:>12d}"
+              f"{r['score_elements'] / 1e6:>12.1f}M")
+    speedup = d["time"] / f["time"]
+    mem_ratio = f["peak"] / d["peak"]
+    time_ok, mem_ok = speedup >= GOAL_SPEEDUP, mem_ratio <= GOAL_MEMORY
+    loss_err = abs(f["loss"] - d["loss"]) / max(1e-12, abs(d["loss"]))
+    grad_err = abs(f["grad_norm"] - d["grad_norm"]) / max(1e-12, abs(d["grad_norm"]))
+    print(f"step   time fast/dense = {f['time'] / d['time']:.3f} (speed-up {speedup:.2f}x; goal >= {GOAL_SPEEDUP}x: "
+          f"{'MET' if time_ok else 'NOT MET'})")
+    print(f"step   peak fast/dense = {mem_ratio:.3f} (goal <= {GOAL_MEMORY}: {'MET' if mem_ok else 'NOT MET'})")
+    print(f"drafter part only: time fast/dense = {f['time_drafter'] / d['time_drafter']:.3f} "
+          f"(speed-up {d['time_drafter'] / f['time_drafter']:.2f}x), peak fwd fast/dense = "
+          f"{f['peak_drafter_fwd'] / d['peak_drafter_fwd']:.3f}, peak bwd fast/dense = "
+          f"{f['peak_drafter_bwd'] / d['peak_drafter_bwd']:.3f}")
+    print(f"equivalence: loss {f['loss']:.6f} vs {d['loss']:.6f} (rel diff {loss_err:.1e}, tol {LOSS_RTOL:g}); "
+          f"grad norm {f['grad_norm']:.6g} vs {d['grad_norm']:.6g} (rel diff {grad_err:.1e}, tol {GRAD_RTOL:g})")
+    steps = {n: " ".join(f"{s['time']:.2f}" for s in out["sides"][n]["steps"]) for n in SIDES}
+    print(f"steps s: dense [{steps['dense']}] fast [{steps['fast']}] (medians of {args.repeats} after 1 warm-up, "
+          f"sides alternating)")
+    print("memory: VmHWM - RSS0 per step, max over steps" +
+          ("" if out["memory_exact"] else " -- peak mark NOT resettable here: numbers are upper bounds"))
+    if out["sweep"]:
+        print("chunk sweep (fast side, drafter alone fwd+bwd, no head/loss):")
+        for s in out["sweep"]:
+            print(f"  max_chunk_blocks {s['chunk_blocks']:>4}: {s['time_drafter_only']:.2f} s "
+                  f"[{' '.join('%.2f' % t for t in s['times'])}], {s['sdpa_calls_per_layer']} SDPA/layer, "
+                  f"{s['score_elements'] / 1e6:.1f}M scores/head")
+    out.update({"time_ratio_fast_over_dense": f["time"] / d["time"], "speedup": speedup,
+                "memory_ratio_fast_over_dense": mem_ratio, "goal_time_met": time_ok, "goal_memory_met": mem_ok,
+                "loss_rel_diff": loss_err, "grad_norm_rel_diff": grad_err,
+                "args": {k: v for k, v in vars(args).items() if k not in ("worker", "json")}})
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    if loss_err > LOSS_RTOL or grad_err > GRAD_RTOL:
+        print("EQUIVALENCE FAILED: the two sides do not compute the same step", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        res = worker(args)
-        with open(args.result, "w") as f:
-            json.dump(res, f)
+        out = worker(args)
+        with open(args.worker, "w") as fh:
+            json.dump(out, fh)
         return 0
 
-    import torch
-
-    print(f"train step fwd+bwd fp32 | seq {args.seq}, anchors {args.anchors} (sampled max {args.valid_anchors}), "
-          f"block {args.block}, drafter 576 x {args.layers} layers, {args.docs} docs, loss {args.loss}, "
-          f"threads {args.threads}, torch {torch.__version__}", flush=True)
-    fast = run_side(args, "fast")
-    dense = run_side(args, "dense")
-    sweep = [run_side(args, "fast", int(c)) for c in args.chunk_sweep.split(",") if c.strip()]
-
-    print(f"valid anchors {fast['valid_anchors']}, dense pads {dense['padded_anchors']} -> "
-          f"Q = {dense['queries']} queries x {args.seq + dense['queries']} keys; "
-          f"supervised slots {fast['supervised_slots']}")
-    print(f"{'backend':<22}{'time s':>9}{'peak MiB':>11}{'SDPA calls/layer':>18}{'score elems':>14}"
-          f"{'loss':>12}{'grad norm':>12}")
-    for r in [dense, fast] + sweep:
-        name = r["backend"] + (f" (chunk {r['chunk_blocks']})" if r["chunk_blocks"] else "")
-        print(f"{name:<22}{r['time_s']:>9.2f}{mib(r['peak_bytes']):>11.0f}{r['sdpa_calls_per_layer']:>18d}"
-              f"{r['score_elements'] / 1e6:>13.1f}M{r['loss']:>12.6f}{r['grad_norm']:>12.6f}")
-
-    speedup = dense["time_s"] / fast["time_s"]
-    mem_ratio = fast["peak_bytes"] / dense["peak_bytes"]
-    loss_err = abs(fast["loss"] - dense["loss"]) / max(1e-12, abs(dense["loss"]))
-    grad_err = abs(fast["grad_norm"] - dense["grad_norm"]) / max(1e-12, abs(dense["grad_norm"]))
-    time_ok, mem_ok = speedup >= GOAL_SPEEDUP, mem_ratio <= GOAL_MEMORY
-    print(f"time   fast/dense = {fast['time_s'] / dense['time_s']:.3f}  (speed-up {speedup:.2f}x, "
-          f"goal >= {GOAL_SPEEDUP}x: {'MET' if time_ok else 'NOT MET'})")
-    print(f"memory fast/dense = {mem_ratio:.3f}  (goal <= {GOAL_MEMORY}: {'MET' if mem_ok else 'NOT MET'})")
-    print(f"equivalence: loss rel diff {loss_err:.2e} (tol {LOSS_RTOL:g}), grad-norm rel diff {grad_err:.2e} "
-          f"(tol {GRAD_RTOL:g})")
-    print(f"memory method: {fast['memory_method']}; times are medians of {args.repeats} after 1 warm-up "
-          f"(fast {['%.2f' % t for t in fast['times_s']]}, dense {['%.2f' % t for t in dense['times_s']]})")
-
-    results = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "result", "json")},
-               "torch": torch.__version__, "fast": fast, "dense": dense, "sweep": sweep,
-               "time_ratio_fast_over_dense": fast["time_s"] / dense["time_s"], "speedup": speedup,
-               "memory_ratio_fast_over_dense": mem_ratio, "goal_time_met": time_ok, "goal_memory_met": mem_ok,
-               "loss_rel_diff": loss_err, "grad_norm_rel_diff": grad_err}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if loss_err > LOSS_RTOL or grad_err > GRAD_RTOL:
-        print("EQUIVALENCE FAILED: the two sides do not compute the same step", file=sys.stderr)
-        return 1
-    return 0
+    print(f"train step fwd+bwd fp32 | seq {args.seq}, {args.anchors} anchor slots (sample up to "
+          f"{args.valid_anchors}), block {args.block}, drafter 576 x {args.layers} layers, {args.docs} docs, "
+          f"loss {args.loss}, chunk {args.chunk_blocks}, threads {args.threads}", flush=True)
+    argv = [a for a in (sys.argv[1:] if argv is None else list(argv))]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker", path])
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not os.path.exists(path):
+            why = (f"killed by signal {-proc.returncode} (out of memory?)" if proc.returncode < 0
+                   else f"exit status {proc.returncode}")
+            print(f"measurement failed after {wall:.0f} s: {why}", file=sys.stderr)
+            return 2
+        with open(path) as fh:
+            out = json.load(fh)
+    out["wall_s"] = wall
+    rc = report(args, out)
+    print(f"total wall time {wall:.0f} s")
+    return rc
 
 
 if __name__ == "__main__":

@@ -182,6 +182,8 @@ def test_bad_batches():
 
 def test_overfitting_one_batch_drives_the_loss_down():
     t = tiny_target("llama", seed=1)
+    with torch.no_grad():  # a confident target, so there is something to learn
+        t.model.get_output_embeddings().weight.mul_(40)
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
     batch = Batch(torch.randint(0, V - 1, (1, 48)), torch.ones(1, 48, dtype=torch.long))

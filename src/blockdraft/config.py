@@ -92,6 +92,10 @@ class DrafterConfig:
     sliding_causal_in_block: bool = False
     # --- block diffusion ---
     block_size: int = 16
+    # Draft vocabulary: the drafter scores only these many rows of the target head (the most
+    # frequent tokens of the training data; ids in the checkpoint's `draft_vocab` tensor).
+    # None = the full vocabulary. The verifier always uses the full head, so output is unchanged.
+    draft_vocab_size: int | None = None
     # --- provenance ---
     target_name: str | None = None
     tokenizer_hash: str | None = None
@@ -125,6 +129,8 @@ class DrafterConfig:
         validate_layer_ids(self.target_layer_ids, self.target_num_layers)
         need(0 <= self.mask_token_id < self.vocab_size,
              f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        need(self.draft_vocab_size is None or 1 <= self.draft_vocab_size <= self.vocab_size,
+             f"draft_vocab_size must be in [1, {self.vocab_size}] or None, got {self.draft_vocab_size}")
         need(len(self.layer_types) == self.num_hidden_layers,
              f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         bad = sorted({t for t in self.layer_types if t not in (FULL, SLIDING)})

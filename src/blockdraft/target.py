@@ -268,9 +268,15 @@ class TargetModel(nn.Module):
         """Raw rows of the target's input embedding (no model-specific scaling), as z-lab does."""
         return nn.functional.embedding(ids, self.model.get_input_embeddings().weight)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head (+ final logit soft-capping where the model has it)."""
-        logits = self.model.get_output_embeddings()(hidden)
+    def head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's lm_head (+ final logit soft-capping where the model has it); with `rows`,
+        only those vocabulary rows ([..., len(rows)] logits: a draft vocabulary)."""
+        out = self.model.get_output_embeddings()
+        if rows is None:
+            logits = out(hidden)
+        else:
+            bias = None if getattr(out, "bias", None) is None else out.bias[rows]
+            logits = nn.functional.linear(hidden, out.weight[rows], bias)
         cap = getattr(text_config(self.model), "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

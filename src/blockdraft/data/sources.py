@@ -199,11 +199,14 @@ def _source(path_or_dataset) -> tuple[str, Iterator[Located]]:
     return "the dataset", _dataset(path_or_dataset)
 
 
-def load_conversations(path_or_dataset, *, skip_bad_lines: bool = False) -> tuple[list[list[Message]], LoadStats]:
+def load_conversations(path_or_dataset, *, skip_bad_lines: bool = False,
+                       require_assistant: bool = True) -> tuple[list[list[Message]], LoadStats]:
     """Read conversations from a .jsonl/.json/.parquet file or an iterable of records.
 
     Returns (conversations, stats); each conversation is a list of {"role", "content"}
-    dicts with roles system/user/assistant, in their original order.
+    dicts with roles system/user/assistant, in their original order. Conversations with
+    no assistant turn are skipped and counted unless `require_assistant` is False (prompt
+    sets for regeneration).
     """
     name, records = _source(path_or_dataset)
     stats = LoadStats()
@@ -219,7 +222,7 @@ def load_conversations(path_or_dataset, *, skip_bad_lines: bool = False) -> tupl
                 raise ValueError(f"{where}: {e}; {_fix_hint()}") from None
             stats.bad_lines += 1
             continue
-        if not any(m["role"] == "assistant" for m in messages):
+        if require_assistant and not any(m["role"] == "assistant" for m in messages):
             stats.no_assistant += 1
             continue
         out.append(messages)

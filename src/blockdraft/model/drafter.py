@@ -29,6 +29,13 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, q3) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(q3)
+        # Per-dimension input scale for the optimiser's sake (the target's features have a few huge
+        # outlier dimensions). Not a weight of the published architecture: `folded_state_dict` folds
+        # it into fc, which has no bias, so checkpoints keep the reference layout.
+        self.feature_scale = nn.Buffer(torch.ones(config.feature_size), persistent=False)
+        # Target-vocabulary ids of the draft vocabulary (saved with the weights); empty = full vocabulary.
+        n_draft = config.draft_vocab_size or 0
+        self.draft_vocab = nn.Buffer(torch.arange(n_draft, dtype=torch.long), persistent=n_draft > 0)
         self.gradient_checkpointing = False
         self.reset_parameters()
 
@@ -40,6 +47,23 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, Qwen3RMSNorm):
                 nn.init.ones_(m.weight)
+        # A unit-RMS output through the target head gives logits far sharper than the target's
+        # (KL ~100 nats on SmolLM2); a small final-norm scale starts near uniform (KL ~14).
+        nn.init.constant_(self.norm.weight, 0.1)
+
+    @property
+    def vocab_rows(self) -> torch.Tensor | None:
+        """Rows of the target head the drafter scores, or None for all of them."""
+        return self.draft_vocab if self.config.draft_vocab_size else None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        if self.config.draft_vocab_size != len(token_ids):
+            raise ValueError(f"draft vocabulary has {len(token_ids)} ids, config says {self.config.draft_vocab_size}")
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError("draft vocabulary ids must be distinct and inside the target vocabulary")
+        self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
 
     @property
     def block_size(self) -> int:
@@ -57,7 +81,23 @@ class DFlashDrafter(nn.Module):
                 f"{self.fc.in_features} = {self.config.num_features} layers x {self.config.target_hidden_size}; "
                 f"capture the target layers {self.config.target_layer_ids}"
             )
-        return self.hidden_norm(self.fc(features))
+        return self.hidden_norm(self.fc(features * self.feature_scale.to(features.dtype)))
+
+    @torch.no_grad()
+    def set_feature_scale(self, scale: torch.Tensor, keep_function: bool = True) -> None:
+        """Use `scale` [F*Ht] on the features from now on. With keep_function, fc's columns absorb
+        old scale / new scale so the drafter computes the same function; without, only the input
+        scaling changes (for a freshly initialised drafter)."""
+        scale = scale.to(self.fc.weight)
+        if keep_function:
+            self.fc.weight.mul_((self.feature_scale / scale)[None, :])
+        self.feature_scale.copy_(scale)
+
+    def folded_state_dict(self) -> dict[str, torch.Tensor]:
+        """State dict in the reference layout: fc.weight * scale, no scale buffer."""
+        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        sd["fc.weight"] = sd["fc.weight"] * self.feature_scale.to(sd["fc.weight"])[None, :]
+        return sd
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
         """positions [...] -> cos, sin [..., D]."""

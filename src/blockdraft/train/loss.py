@@ -54,8 +54,12 @@ def accepted_lengths(match: torch.Tensor) -> torch.Tensor:
 
 
 def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervised: torch.Tensor, *,
-                gamma: float, kind: str = "soft") -> tuple[torch.Tensor, dict]:
-    """draft/target logits [S, V] for the supervised slots of `supervised` [N, B] (row-major order).
+                gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """draft logits [S, Vd] and target logits [S, V] for the supervised slots of `supervised`
+    [N, B] (row-major order). With a draft vocabulary (ids [Vd]), the loss compares the draft
+    with the target restricted to those ids (hard: slots whose target argmax lies outside are
+    left out of the loss), while the metrics compare draft and target argmax in the full
+    vocabulary, so a token the drafter cannot propose counts as a miss.
 
     Returns the scalar loss and metrics: per-slot accuracy, mean accepted length (tau) and
     the per-block accepted lengths.
@@ -69,10 +73,19 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervi
         raise ValueError(f"expected logits for {S} supervised slots, got {draft_logits.shape[0]} "
                          f"and {target_logits.shape[0]}")
     w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
+    target_top = target_logits.argmax(-1)  # [S] in the full vocabulary
+    draft_top = draft_logits.argmax(-1)
+    if draft_vocab is not None:
+        draft_top = draft_vocab[draft_top]
+        if kind == "hard":
+            inside = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=w.device)
+            inside[draft_vocab] = True
+            w = w * inside[target_top]
+        target_logits = target_logits[:, draft_vocab]
     per = slot_losses(draft_logits, target_logits, kind)  # [S]
-    loss = (w * per).sum() / w.sum()
+    loss = (w * per).sum() / w.sum().clamp(min=1e-12)
     with torch.no_grad():
-        hit = draft_logits.argmax(-1) == target_logits.argmax(-1)  # [S]
+        hit = draft_top == target_top  # [S]
         match = torch.zeros(N, B, dtype=torch.bool, device=supervised.device)
         match[supervised] = hit
         acc_len = accepted_lengths(match)
@@ -81,5 +94,6 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervi
         slot_acc = [a if supervised[:, k].any() else math.nan for k, a in enumerate(slot_acc)]
     metrics = {"loss": float(loss.detach()), "tau": float(acc_len.float().mean()),
                "accuracy": float(hit.float().mean()), "slot_accuracy": slot_acc,
-               "accepted_lengths": acc_len.tolist(), "supervised_slots": S, "blocks": N}
+               "slot_counts": supervised.sum(0).tolist(), "accepted_lengths": acc_len.tolist(),
+               "supervised_slots": S, "blocks": N}
     return loss, metrics

@@ -142,9 +142,10 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma
     p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors)
     dt = drafter.fc.weight.dtype
     hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout, backend)  # [N, B, Hd]
-    draft_logits = target.head(hidden[p.supervised].to(target.dtype))  # [S, V]
+    rows = drafter.vocab_rows
+    draft_logits = target.head(hidden[p.supervised].to(target.dtype), rows)  # [S, Vd]
     g = default_gamma(drafter.block_size) if gamma is None else gamma
-    return dflash_loss(draft_logits, p.target_logits, p.supervised, gamma=g, kind=loss)
+    return dflash_loss(draft_logits, p.target_logits, p.supervised, gamma=g, kind=loss, draft_vocab=rows)
 
 
 def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:

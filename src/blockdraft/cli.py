@@ -1,0 +1,122 @@
+"""`blockdraft` command line: argparse subcommands, glue only (the algorithms live in the package)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_DATA = "default"
+
+
+def _threads(args) -> None:
+    import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+
+
+def cmd_regenerate(args) -> int:
+    from .data import load_conversations
+    from .data.default_prompts import build_prompts
+    from .data.regenerate import regenerate
+    from .target import TargetModel
+
+    _threads(args)
+    if args.prompts == "default":
+        prompts = [(p["id"], p["messages"]) for p in build_prompts(args.n, seed=args.seed)]
+    else:
+        convs, stats = load_conversations(args.prompts, skip_bad_lines=args.skip_bad_lines, require_assistant=False)
+        prompts = list(enumerate(convs))[: args.n]
+    target = TargetModel.from_pretrained(args.target, device=args.device)
+    res = regenerate(target.model, target.tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                     batch_size=args.batch_size)
+    print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .train.run import run_training
+
+    _threads(args)
+    summary = run_training(args)
+    print(json.dumps({k: v for k, v in summary.items() if k != "eval_slot_accuracy"}))
+    tau = summary.get("eval_tau")
+    if tau is not None:
+        print(f"held-out accepted length (tau, block {args.block_size}, greedy, teacher-forced): {tau:.3f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
+    sub = p.add_subparsers(dest="cmd")
+
+    t = sub.add_parser("train", help="train a drafter (defaults: embedded SmolLM2 target, bundled data)")
+    t.add_argument("--target", default="smollm2", help="embedded name, local transformers dir or .gguf")
+    t.add_argument("--data", default=DEFAULT_DATA, help="conversations (JSONL/JSON/parquet) or 'default'")
+    t.add_argument("--eval-data", default=None, help="held-out conversations (default: a split of --data)")
+    t.add_argument("--out", default="runs/default")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--draft-layers", type=int, default=1)
+    t.add_argument("--num-features", type=int, default=5)
+    t.add_argument("--layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    t.add_argument("--max-anchors", type=int, default=256, help="anchors per packed row")
+    t.add_argument("--max-length", type=int, default=1024, help="packed row length in tokens")
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.05, help="steps, or a fraction of all steps if < 1")
+    t.add_argument("--batch-tokens", type=int, default=2048, help="tokens per micro-batch")
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--draft-vocab", default="auto",
+                   help="draft vocabulary size (most frequent training tokens), 'full', or 'auto' (8192 on CPU)")
+    t.add_argument("--loss", choices=["kl", "soft", "hard"], default="kl")
+    t.add_argument("--gamma", type=float, default=None)
+    t.add_argument("--eval-fraction", type=float, default=0.05)
+    t.add_argument("--eval-every", type=int, default=50)
+    t.add_argument("--save-every", type=int, default=25)
+    t.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--features-cache", default=None, help="train from `blockdraft extract` shards")
+    t.add_argument("--gradient-checkpointing", action="store_true")
+    t.add_argument("--skip-bad-lines", action="store_true")
+    t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(fn=cmd_train)
+
+    r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set")
+    r.add_argument("--target", default="smollm2")
+    r.add_argument("--prompts", default="default", help="conversations file, or 'default' (built-in prompt mix)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--n", type=int, default=800)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--skip-bad-lines", action="store_true")
+    r.add_argument("--device", default=None)
+    r.add_argument("--threads", type=int, default=None)
+    r.set_defaults(fn=cmd_regenerate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.fn(args) or 0)
+    except ValueError as e:
+        print(f"blockdraft {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"blockdraft {args.cmd}: interrupted; rerun the same command (with --resume for train) to continue",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

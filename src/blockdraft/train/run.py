@@ -1,0 +1,110 @@
+"""`blockdraft train` as a library call: target, data, drafter, trainer, plots."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+DEFAULT_DATA_FILE = Path(__file__).resolve().parent.parent / "assets" / "data" / "default.jsonl"
+
+
+def resolve_data(data: str) -> str:
+    if data == "default":
+        if not DEFAULT_DATA_FILE.exists():
+            raise ValueError("the bundled default dataset is missing from this installation; pass --data FILE")
+        return str(DEFAULT_DATA_FILE)
+    if not Path(data).exists():
+        raise ValueError(f"--data {data}: no such file")
+    return data
+
+
+def split_conversations(convs: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """Held-out split by conversation (never inside one), deterministic for a seed."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    n_eval = int(round(eval_fraction * len(convs)))
+    if eval_fraction > 0:
+        n_eval = max(1, n_eval)
+    if n_eval >= len(convs):
+        raise ValueError(f"only {len(convs)} conversations: too few to hold {n_eval} out; lower --eval-fraction")
+    ev = set(order[:n_eval])
+    return [c for i, c in enumerate(convs) if i not in ev], [c for i, c in enumerate(convs) if i in ev]
+
+
+def frequent_tokens(rows: dict, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent tokens under the loss mask (ties and unseen ids by id), sorted by id."""
+    ids = rows["input_ids"][rows["loss_mask"].bool()]
+    counts = torch.bincount(ids, minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.double) * 1e-9  # deterministic tie-break: lower id first
+    top = torch.topk(counts, size).indices
+    return torch.sort(top).values
+
+
+def pick_device(device: str | None) -> str:
+    if device:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_training(args) -> dict:
+    from ..checkpoint.native import load_drafter
+    from ..data import load_conversations, pack, render
+    from ..model import DFlashDrafter, DrafterConfig
+    from ..target import TargetModel
+
+    torch.manual_seed(args.seed)
+    from .plots import plot_run
+    from .trainer import TrainConfig, Trainer
+
+    if args.features_cache:
+        raise ValueError("--features-cache is not available yet in this version; train online (omit the flag)")
+    device = pick_device(args.device)
+    target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
+                                         device=device)
+    convs, stats = load_conversations(resolve_data(args.data), skip_bad_lines=args.skip_bad_lines)
+    if stats.bad_lines or stats.no_assistant:
+        print(f"data: skipped {stats.bad_lines} bad lines and {stats.no_assistant} conversations without an "
+              f"assistant turn")
+    if args.eval_data:
+        train_c, eval_c = convs, load_conversations(resolve_data(args.eval_data))[0]
+    else:
+        train_c, eval_c = split_conversations(convs, args.eval_fraction, args.seed)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+
+    def rows(cs):
+        return pack([render(target.tokenizer, c) for c in cs], args.max_length, pad) if cs else None
+
+    train_rows, eval_rows = rows(train_c), rows(eval_c)
+    vocab = args.draft_vocab
+    if vocab == "auto":
+        vocab = 8192 if device == "cpu" else None  # on CPU the head is most of the drafter's cost
+    vocab = None if vocab in (None, "full", "0", 0) else min(int(vocab), target.vocab_size)
+    cfg = DrafterConfig.for_target(target, num_layers=args.draft_layers, block_size=args.block_size,
+                                   draft_vocab_size=vocab)
+    drafter = DFlashDrafter(cfg)
+    if vocab:
+        drafter.set_draft_vocab(frequent_tokens(train_rows, target.vocab_size, vocab))
+        ids = train_rows["input_ids"][train_rows["loss_mask"].bool()]
+        cover = torch.isin(ids, drafter.draft_vocab).float().mean().item()
+        print(f"draft vocabulary: {vocab} ids cover {100 * cover:.1f}% of the training tokens")
+    drafter = drafter.to(device)
+    tc = TrainConfig(out=args.out, steps=args.steps, epochs=args.epochs, lr=args.lr, warmup=args.warmup,
+                     grad_accum=args.grad_accum, batch_tokens=args.batch_tokens, max_anchors=args.max_anchors,
+                     loss=args.loss, gamma=args.gamma, seed=args.seed, eval_every=args.eval_every,
+                     save_every=args.save_every, gradient_checkpointing=args.gradient_checkpointing,
+                     progress=not args.no_progress)
+    trainer = Trainer(target, drafter, train_rows, eval_rows, tc)
+    print(f"train: {train_rows['input_ids'].shape[0]} rows x {args.max_length} tokens, "
+          f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
+          f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}")
+    summary = trainer.train(resume=args.resume)
+    out = Path(args.out)
+    plot_run(out / "metrics.jsonl", out)
+    load_drafter(out / "drafter")  # the saved directory must load back
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

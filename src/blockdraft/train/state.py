@@ -1,0 +1,63 @@
+"""Resumable training state: drafter, optimiser, scheduler position, data order and RNG.
+
+Everything is written as safetensors + JSON (no pickle) into one directory, swapped in
+atomically, so a kill at any moment leaves the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint.native import atomic_dir, recover_dir
+
+STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
+
+
+def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, generator: torch.Generator) -> Path:
+    tensors: dict[str, torch.Tensor] = {f"drafter.{k}": v.detach().clone().contiguous()
+                                        for k, v in drafter.state_dict().items()}
+    tensors["drafter_feature_scale"] = drafter.feature_scale.detach().clone()
+    opt = optimizer.state_dict()
+    for idx, st in opt["state"].items():
+        for name, val in st.items():
+            t = val if torch.is_tensor(val) else torch.tensor(val)
+            tensors[f"opt.{idx}.{name}"] = t.detach().clone().contiguous()
+    tensors["rng.anchors"] = generator.get_state()
+    tensors["rng.torch"] = torch.get_rng_state()
+    meta = {"progress": progress, "param_groups": opt["param_groups"],
+            "drafter_config": drafter.config.to_dict()}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1))
+
+    return atomic_dir(directory, write)
+
+
+def load_state(directory: str | Path, *, drafter, optimizer, generator: torch.Generator) -> dict:
+    """Restore into existing objects; returns the saved progress dict."""
+    path = recover_dir(directory)
+    if path is None or not (path / STATE_JSON).exists():
+        raise ValueError(f"no checkpoint to resume from in {directory}")
+    meta = json.loads((path / STATE_JSON).read_text())
+    saved_cfg = meta["drafter_config"]
+    if saved_cfg != drafter.config.to_dict():
+        diff = sorted(k for k in saved_cfg if saved_cfg.get(k) != drafter.config.to_dict().get(k))
+        raise ValueError(f"the checkpoint in {path} was trained with other drafter settings ({diff}); "
+                         "resume with the same flags or start a new --out")
+    tensors = load_file(str(path / STATE_TENSORS))
+    drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
+    drafter.feature_scale.copy_(tensors["drafter_feature_scale"])
+    state: dict[int, dict] = {}
+    for key, val in tensors.items():
+        if key.startswith("opt."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = val
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    generator.set_state(tensors["rng.anchors"])
+    torch.set_rng_state(tensors["rng.torch"])
+    return meta["progress"]

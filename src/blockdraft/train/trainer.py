@@ -1,0 +1,214 @@
+"""The training loop: AdamW with warmup + cosine decay, clipping, accumulation, held-out
+evaluation with the exact accepted length, atomic checkpoints and exact resume.
+
+Legend: R packed rows of L tokens each; a batch takes `rows_per_batch` rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.native import save_drafter
+from .state import load_state, save_state
+from .step import Batch, compute_loss
+
+
+@dataclass
+class TrainConfig:
+    out: str = "runs/default"
+    steps: int | None = None  # optimizer steps; default: epochs over the data
+    epochs: float = 1.0
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: int | float = 0.05  # steps, or a fraction of all steps when < 1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    batch_tokens: int = 2048
+    max_anchors: int = 256
+    loss: str = "kl"
+    gamma: float | None = None
+    seed: int = 0
+    eval_every: int = 100
+    save_every: int = 50
+    log_every: int = 1
+    eval_anchors: int = 256
+    gradient_checkpointing: bool = False
+    backend: str = "auto"
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.grad_accum < 1 or self.batch_tokens < 1 or self.max_anchors < 1:
+            raise ValueError("lr, grad_accum, batch_tokens and max_anchors must be positive")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.steps is None and self.epochs <= 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio."""
+    warm = int(cfg.warmup * total) if cfg.warmup < 1 else int(cfg.warmup)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def rows_batch(rows: dict, idx: torch.Tensor) -> Batch:
+    return Batch(rows["input_ids"][idx], rows["loss_mask"][idx], rows["position_ids"][idx],
+                 rows["document_ids"][idx])
+
+
+@torch.no_grad()
+def estimate_feature_scale(target, rows: dict, n_rows: int = 4) -> torch.Tensor:
+    """1 / RMS of every feature dimension over a few rows (outlier dimensions reach RMS ~10^2-10^3)."""
+    b = rows_batch(rows, torch.arange(min(n_rows, rows["input_ids"].shape[0])))
+    feats = target(b.input_ids.to(target.device), position_ids=b.position_ids.to(target.device),
+                   return_logits=False).features.float()
+    rms = feats.pow(2).mean(dim=(0, 1)).sqrt()
+    return 1.0 / rms.clamp(min=1e-2)
+
+
+@torch.no_grad()
+def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int) -> dict:
+    """Held-out loss, exact mean accepted length (tau) and per-slot accuracy, with fixed anchors."""
+    drafter.eval()
+    gen = torch.Generator().manual_seed(12345)
+    lengths, losses, hits, counts = [], [], None, None
+    R = rows["input_ids"].shape[0]
+    for s in range(0, R, rows_per_batch):
+        b = rows_batch(rows, torch.arange(s, min(R, s + rows_per_batch)))
+        try:
+            loss, m = compute_loss(target, drafter, b, max_anchors=cfg.eval_anchors, gamma=cfg.gamma, loss=cfg.loss,
+                                   generator=gen, backend=cfg.backend)
+        except ValueError:
+            continue  # a held-out row with nothing to learn
+        lengths += m["accepted_lengths"]
+        losses.append(float(loss) * m["supervised_slots"])
+        acc = torch.tensor([0.0 if math.isnan(a) else a for a in m["slot_accuracy"]])
+        n = torch.tensor(m["slot_counts"], dtype=torch.float)
+        hits = acc * n if hits is None else hits + acc * n
+        counts = n if counts is None else counts + n
+    drafter.train()
+    if not lengths:
+        return {}
+    return {"eval_tau": sum(lengths) / len(lengths), "eval_loss": sum(losses) / float(counts.sum()),
+            "eval_slot_accuracy": (hits / counts.clamp(min=1)).tolist(), "eval_blocks": len(lengths)}
+
+
+class Trainer:
+    def __init__(self, target, drafter, train_rows: dict, eval_rows: dict | None, cfg: TrainConfig):
+        cfg.validate()
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.train_rows, self.eval_rows = train_rows, eval_rows
+        self.out = Path(cfg.out)
+        L = train_rows["input_ids"].shape[1]
+        self.rows_per_batch = max(1, cfg.batch_tokens // L)
+        R = train_rows["input_ids"].shape[0]
+        self.steps_per_epoch = max(1, math.ceil(R / (self.rows_per_batch * cfg.grad_accum)))
+        self.total = cfg.steps or max(1, int(round(cfg.epochs * self.steps_per_epoch)))
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
+        drafter.gradient_checkpointing = cfg.gradient_checkpointing
+
+    # ----------------------------------------------------------------- data order
+    def batch_indices(self, step: int, micro: int) -> torch.Tensor:
+        """Rows of micro-batch `micro` of optimizer step `step`: a fixed permutation per epoch."""
+        R = self.train_rows["input_ids"].shape[0]
+        k = (step * self.cfg.grad_accum + micro) * self.rows_per_batch
+        epoch, start = divmod(k, R)
+        perm = torch.randperm(R, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
+        idx = perm[start:start + self.rows_per_batch]
+        return idx
+
+    # --------------------------------------------------------------- checkpoints
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / "checkpoint"
+
+    def save(self) -> None:
+        save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress,
+                   generator=self.gen)
+
+    def resume(self) -> None:
+        self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, generator=self.gen)
+        self._truncate_metrics(self.progress["step"])
+
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.out / "metrics.jsonl"
+        if path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            path.write_text("".join(ln + "\n" for ln in keep))
+
+    def log(self, record: dict) -> None:
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ---------------------------------------------------------------------- loop
+    def step(self) -> dict:
+        cfg, s = self.cfg, self.progress["step"]
+        lr = lr_at(s, self.total, cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.drafter.train()
+        self.opt.zero_grad(set_to_none=True)
+        agg: dict = {"loss": 0.0, "tau": 0.0, "accuracy": 0.0}
+        amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.target.device.type == "cuda" else nullcontext())
+        for micro in range(cfg.grad_accum):
+            b = rows_batch(self.train_rows, self.batch_indices(s, micro))
+            with amp:
+                loss, m = compute_loss(self.target, self.drafter, b, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
+                                       loss=cfg.loss, generator=self.gen, backend=cfg.backend)
+            (loss / cfg.grad_accum).backward()
+            for k in agg:
+                agg[k] += m[k] / cfg.grad_accum
+            self.progress["tokens"] += int(b.input_ids.numel())
+        agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
+        self.opt.step()
+        self.progress["step"] = s + 1
+        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"])
+        return agg
+
+    def train(self, resume: bool = False) -> dict:
+        from tqdm.auto import tqdm
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self.resume()
+        else:
+            self.drafter.set_feature_scale(estimate_feature_scale(self.target, self.train_rows), keep_function=False)
+            (self.out / "metrics.jsonl").write_text("")
+        (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+        bar = tqdm(total=self.total, initial=self.progress["step"], disable=not self.cfg.progress,
+                   desc="train", unit="step", dynamic_ncols=True)
+        last_eval: dict = {}
+        t0 = time.time() - self.progress["elapsed"]
+        while self.progress["step"] < self.total:
+            m = self.step()
+            self.progress["elapsed"] = time.time() - t0
+            m["elapsed"] = self.progress["elapsed"]
+            step = self.progress["step"]
+            if self.eval_rows is not None and (step % self.cfg.eval_every == 0 or step == self.total):
+                last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch)
+                m.update(last_eval)
+            if step % self.cfg.log_every == 0 or "eval_tau" in m:
+                self.log(m)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}", tau=f"{m['tau']:.2f}",
+                            **({"eval_tau": f"{last_eval['eval_tau']:.2f}"} if last_eval else {}))
+            bar.update(1)
+            if step % self.cfg.save_every == 0 or step == self.total:
+                self.save()
+        bar.close()
+        save_drafter(self.drafter, self.out / "drafter")
+        return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
