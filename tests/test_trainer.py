@@ -1,0 +1,157 @@
+"""Trainer: exact resume, atomic checkpoints, drafter directories, draft vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockdraft.checkpoint import load_drafter, save_drafter
+from blockdraft.checkpoint.native import atomic_dir, recover_dir
+from blockdraft.config import DrafterConfig
+from blockdraft.model import DFlashDrafter
+from blockdraft.train import Batch, compute_loss, dflash_loss
+from blockdraft.train.trainer import TrainConfig, Trainer, lr_at
+from conftest import V, tiny_target
+
+
+def tiny_rows(n=12, L=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V - 1, (n, L), generator=g)
+    doc = (torch.arange(L) >= L // 2).long().expand(n, L).clone()
+    pos = torch.where(doc == 0, torch.arange(L), torch.arange(L) - L // 2)
+    lm = torch.ones(n, L, dtype=torch.long)
+    lm[:, :4] = 0
+    return {"input_ids": ids, "loss_mask": lm, "position_ids": pos, "document_ids": doc}
+
+
+def make(tmp_path, steps=6, **kw):
+    t = tiny_target("llama", seed=1)
+    with torch.no_grad():
+        t.model.get_output_embeddings().weight.mul_(20)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=kw.pop("vocab", None)))
+    cfg = TrainConfig(out=str(tmp_path), steps=steps, batch_tokens=80, max_anchors=8, eval_every=3, save_every=2,
+                      lr=3e-3, warmup=2, progress=False, **kw)
+    return Trainer(t, d, tiny_rows(), tiny_rows(4, seed=1), cfg)
+
+
+def records(path):
+    return [json.loads(ln) for ln in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_continues_exactly(tmp_path):
+    full = make(tmp_path / "full", steps=6)
+    full.train()
+    ref = [r["loss"] for r in records(tmp_path / "full")]
+    part = make(tmp_path / "part", steps=6)
+    real_step = part.step
+
+    def killed_at_step_6():
+        if part.progress["step"] == 5:  # step 5 is logged but not checkpointed (save_every=2)
+            raise KeyboardInterrupt
+        return real_step()
+
+    part.step = killed_at_step_6
+    with pytest.raises(KeyboardInterrupt):
+        part.train()
+    assert len(records(tmp_path / "part")) == 5
+    again = make(tmp_path / "part", steps=6)
+    again.train(resume=True)
+    got = [r["loss"] for r in records(tmp_path / "part")]
+    assert len(got) == 6
+    assert got == pytest.approx(ref, rel=1e-6, abs=1e-7)
+    assert torch.equal(again.drafter.fc.weight, full.drafter.fc.weight)
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    a = make(tmp_path, steps=2)
+    a.train()
+    t = a.target
+    other = DFlashDrafter(DrafterConfig.for_target(t, num_layers=2, block_size=4))
+    b = Trainer(t, other, tiny_rows(), None, TrainConfig(out=str(tmp_path), steps=4, progress=False))
+    with pytest.raises(ValueError, match="other drafter settings"):
+        b.train(resume=True)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        Trainer(t, other, tiny_rows(), None, TrainConfig(out=str(tmp_path / "none"), progress=False)).resume()
+
+
+def test_atomic_dir_survives_a_crash_at_any_point(tmp_path):
+    target = tmp_path / "ckpt"
+    atomic_dir(target, lambda d: (d / "x").write_text("old"))
+
+    def crash(d):
+        (d / "x").write_text("half")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        atomic_dir(target, crash)
+    assert (target / "x").read_text() == "old"
+    # killed between the two renames: only `.old` is left, and it is taken back
+    target.rename(target.with_name("ckpt.old"))
+    assert recover_dir(target) == target and (target / "x").read_text() == "old"
+
+
+def test_saved_drafter_loads_back_identically_with_the_scale_folded(tmp_path):
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=2, block_size=4, draft_vocab_size=50))
+    d.set_draft_vocab(torch.arange(0, 100, 2))
+    d.set_feature_scale(torch.rand(d.config.feature_size) * 10 + 0.1, keep_function=False)
+    save_drafter(d, tmp_path / "d")
+    sd = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert "feature_scale" not in sd and "fc.weight" in sd and "hidden_norm.weight" in sd
+    assert not any("embed" in k or "lm_head" in k for k in sd)
+    back = load_drafter(tmp_path / "d")
+    assert torch.equal(back.feature_scale, torch.ones_like(back.feature_scale))
+    batch = Batch(torch.randint(0, V - 1, (1, 30)), torch.ones(1, 30, dtype=torch.long))
+    la, ma = compute_loss(t, d.eval(), batch, max_anchors=6, generator=torch.Generator().manual_seed(0))
+    lb, mb = compute_loss(t, back, batch, max_anchors=6, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+    assert torch.equal(back.draft_vocab, torch.arange(0, 100, 2))
+
+
+def test_loading_refuses_unknown_or_missing_weights(tmp_path):
+    t = tiny_target("llama")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    save_drafter(d, tmp_path / "d")
+    path = tmp_path / "d" / "model.safetensors"
+    sd = load_file(str(path))
+    sd["extra.weight"] = torch.zeros(2)
+    del sd["norm.weight"]
+    save_file(sd, str(path))
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\], unknown \['extra.weight'\]"):
+        load_drafter(tmp_path / "d")
+    with pytest.raises(ValueError, match="not a drafter directory"):
+        load_drafter(tmp_path / "nothing")
+
+
+def test_draft_vocabulary_misses_count_in_the_metrics():
+    sup = torch.tensor([[False, True, True]])
+    target_logits = torch.full((2, 6), -5.0)
+    target_logits[0, 1] = 5.0  # inside the draft vocabulary
+    target_logits[1, 4] = 5.0  # outside it
+    vocab = torch.tensor([0, 1, 2])
+    draft = torch.full((2, 3), -5.0)
+    draft[:, 1] = 5.0  # always proposes token 1
+    loss, m = dflash_loss(draft, target_logits, sup, gamma=2.0, kind="hard", draft_vocab=vocab)
+    assert m["slot_accuracy"][1:] == [1.0, 0.0]
+    assert m["accepted_lengths"] == [2]
+    assert float(loss) < 0.01  # the out-of-vocabulary slot is left out of the hard loss
+
+
+def test_learning_rate_schedule():
+    cfg = TrainConfig(lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(0, 100, cfg) == pytest.approx(0.1) and lr_at(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(10, 100, cfg) == pytest.approx(1.0) and lr_at(100, 100, cfg) == pytest.approx(0.1)
+    assert lr_at(55, 100, cfg) == pytest.approx(0.55)
+
+
+def test_training_lowers_the_held_out_loss(tmp_path):
+    tr = make(tmp_path, steps=12)
+    summary = tr.train()
+    recs = records(tmp_path)
+    evals = [r for r in recs if "eval_loss" in r]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert (tmp_path / "drafter" / "config.json").exists() and summary["step"] == 12
