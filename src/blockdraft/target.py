@@ -225,13 +225,13 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, logits_mask: torch.Tensor | None = None,
-                return_logits: bool = True, **kwargs) -> TargetOutput:
+                return_logits: bool = True, cache=None, **kwargs) -> TargetOutput:
         """Features of the chosen layers [Bz, T, F*Ht] and the model's own logits.
 
         `logits_mask` (bool [Bz, T]) keeps only the logits at its True positions, flattened
         to [P, V] in row-major order: a 150k vocabulary at 8k tokens does not fit otherwise.
         Packed rows pass `position_ids` restarting at 0 per document; transformers then keeps
-        attention inside each document.
+        attention inside each document. `cache` (from `new_cache`) is extended in place.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -240,12 +240,14 @@ class TargetModel(nn.Module):
             if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
                 raise ValueError("logits_mask must be a bool tensor with the shape of input_ids")
             keep = logits_mask
+        if cache is not None:
+            kwargs[self._cache_kwarg()] = cache
         self._captured.clear()
         self._capturing = True
         try:
             if return_logits:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                 logits_to_keep=keep, use_cache=False, **kwargs)
+                                 logits_to_keep=keep, use_cache=cache is not None, **kwargs)
                 logits = out.logits
             else:
                 self._base()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
@@ -256,6 +258,28 @@ class TargetModel(nn.Module):
         feats = torch.cat([self._captured[lid] for lid in self.layer_ids], dim=-1)  # [Bz, T, F*Ht]
         self._captured.clear()
         return TargetOutput(features=feats, logits=logits)
+
+    def _cache_kwarg(self) -> str:
+        import inspect
+
+        params = inspect.signature(self.model.forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
+    def new_cache(self):
+        """An empty KV cache that can be cropped back after a rejected draft."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()  # sliding-window layers must be able to roll back
+        return cache
+
+    @staticmethod
+    def crop_cache(cache, length: int) -> None:
+        """Keep the first `length` positions of the cache."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
 
     def _base(self) -> nn.Module:
         base = getattr(self.model, "model", None)

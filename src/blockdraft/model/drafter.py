@@ -120,3 +120,69 @@ class DFlashDrafter(nn.Module):
             else:
                 h = layer(h, ctx, ctx_rope, blk_rope, layout, backend)
         return self.norm(h)
+
+    # ------------------------------------------------------------------ inference
+    def new_context_cache(self) -> "ContextCache":
+        return ContextCache(len(self.layers))
+
+    def draft_hidden(self, new_features: torch.Tensor, new_positions: torch.Tensor, block_embeds: torch.Tensor,
+                     anchor_position: int, cache: "ContextCache") -> torch.Tensor:
+        """Clause 8 drafting with cached context K/V: only the `new_features` rows [n, F*Ht]
+        (positions [n]) are projected; block_embeds [B, Hd] sit at anchor_position + k.
+        Every cached row is before the anchor and in its document. Returns normed hidden [B, Hd]."""
+        B = block_embeds.shape[0]
+        ctx = self.context(new_features) if new_features.shape[0] else None  # [n, Hd]
+        ctx_rope = self.rope(new_positions, block_embeds) if ctx is not None else None
+        blk_pos = anchor_position + torch.arange(B, device=block_embeds.device)
+        cos, sin = self.rope(blk_pos, block_embeds)  # [B, D]
+        cache.positions = new_positions if cache.positions is None else torch.cat([cache.positions, new_positions])
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            at = layer.self_attn
+            if ctx is not None:
+                cache.append(i, *at.context_kv(ctx, *ctx_rope))
+            x = layer.input_layernorm(h)
+            q, k_blk, v_blk = at.block_qkv(x, cos, sin)  # [B, H*, D]
+            k_ctx, v_ctx = cache.get(i, k_blk)
+            keep = None
+            if at.window is not None:  # sliding layers see rows at positions >= anchor - W only
+                keep = cache.positions >= anchor_position - at.window
+                k_ctx, v_ctx = k_ctx[keep], v_ctx[keep]
+            k = torch.cat([k_ctx, k_blk]).transpose(0, 1)  # [Hkv, C+B, D]
+            v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
+            mask = None
+            if at.causal_in_block:
+                C = k_ctx.shape[0]
+                mask = torch.ones(B, C + B, dtype=torch.bool, device=h.device)
+                mask[:, C:] = torch.tril(mask[:, C:])
+            rep = at.hq // at.hkv
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
+                scale=at.scale)[0]  # [Hq, B, D]
+            h = h + at.o_proj(out.transpose(0, 1).flatten(-2))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+
+class ContextCache:
+    """Per-layer K/V [C, Hkv, D] of the context rows committed so far (one sequence)."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.positions is None else int(self.positions.shape[0])
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k])
+        self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v])
+
+    def get(self, i: int, like: torch.Tensor):
+        if self.k[i] is None:
+            empty = like.new_zeros((0,) + tuple(like.shape[1:]))
+            return empty, empty
+        return self.k[i], self.v[i]

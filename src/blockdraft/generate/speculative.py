@@ -1,0 +1,172 @@
+"""Lossless speculative generation (clause 8).
+
+Legend: P prompt tokens, B block size, V target vocabulary, Vd draft vocabulary.
+
+Prefill the target on the prompt (features + first token). Then repeat: the drafter
+proposes [last, MASK x (B-1)] from its cached context; the target verifies the B tokens in
+one forward; the longest prefix the target agrees with is accepted (greedy: equal to its
+argmax; sampling: speculative sampling), the target's own next token is appended, the
+target cache is cropped to the committed length and the committed tokens' features become
+new drafter context.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import accept_greedy, accept_sampled, sampling_probs
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # the new token ids
+    accepted: list[int] = field(default_factory=list)  # tokens committed per verify step (incl. the target's own)
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_prefill: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step (accepted drafts + the target's own token)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def time_other(self) -> float:
+        return max(0.0, self.time_total - self.time_draft - self.time_verify - self.time_prefill)
+
+
+def check_pair(target, drafter) -> None:
+    """A drafter trained for another target is refused with the mismatch named."""
+    c = drafter.config
+    problems = []
+    if c.target_hidden_size != target.hidden_size:
+        problems.append(f"hidden size {c.target_hidden_size} vs target {target.hidden_size}")
+    if c.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {c.vocab_size} vs target {target.vocab_size}")
+    if c.target_num_layers != target.num_layers:
+        problems.append(f"{c.target_num_layers} target layers vs {target.num_layers}")
+    if list(c.target_layer_ids) != list(target.layer_ids):
+        problems.append(f"feature layers {c.target_layer_ids} vs the target's hooks {target.layer_ids}")
+    if c.tokenizer_hash and target.tokenizer_hash and c.tokenizer_hash != target.tokenizer_hash:
+        problems.append("tokenizer differs")
+    if problems:
+        raise ValueError("this drafter was trained for another target: " + "; ".join(problems))
+
+
+def _validate(target, drafter, input_ids, max_new_tokens, block_size, temperature, top_p) -> int:
+    check_pair(target, drafter)
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError("input_ids must be [1, P]: batch size 1")
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    if limit and input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+                         f"context of {limit} tokens")
+    B = block_size or drafter.block_size
+    if B < 1:
+        raise ValueError(f"block_size must be >= 1, got {B}")
+    if B > drafter.block_size:
+        warnings.warn(f"block size {B} is larger than the drafter was trained for ({drafter.block_size}): "
+                      "acceptance of the extra slots will be poor", stacklevel=3)
+    return B
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+                         top_p: float = 1.0, stop_token_ids=None, block_size: int | None = None,
+                         seed: int | None = None, on_tokens=None) -> GenerationResult:
+    """Generate with the drafter; the output follows the target exactly (greedy: token for token)."""
+    B = _validate(target, drafter, input_ids, max_new_tokens, block_size, temperature, top_p)
+    gen = torch.Generator(device=target.device)
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    stops = set(stop_token_ids or [])
+    dev = target.device
+    drafter.eval()
+    t_start = time.perf_counter()
+    res = GenerationResult(tokens=[])
+    ids = input_ids.to(dev)
+    P = ids.shape[1]
+    cache = target.new_cache()
+    out = target(ids, position_ids=torch.arange(P, device=dev)[None], cache=cache)  # prefill
+    first = _pick(out.logits[0, -1:], temperature, top_p, gen)[0]
+    res.time_prefill = time.perf_counter() - t_start
+    committed = [int(first)]
+    if on_tokens:
+        on_tokens(committed[:])
+    new_feats, new_pos = out.features[0], torch.arange(P, device=dev)  # context rows not yet in the drafter
+    ctx = drafter.new_context_cache()
+    mask_id = drafter.mask_token_id
+    while len(committed) < max_new_tokens and committed[-1] not in stops:
+        L = P + len(committed)  # tokens so far; the last one (position L-1) has no features yet
+        b = min(B, max_new_tokens - len(committed) + 1)
+        t0 = time.perf_counter()
+        block = torch.full((b,), mask_id, dtype=torch.long, device=dev)
+        block[0] = committed[-1]
+        draft_q = None
+        if b > 1:
+            block[1:], draft_q = _propose(target, drafter, block, new_feats, new_pos, L - 1, ctx, temperature,
+                                          top_p, gen)
+        t1 = time.perf_counter()
+        out = target(block[None], position_ids=torch.arange(L - 1, L - 1 + b, device=dev)[None], cache=cache)
+        t2 = time.perf_counter()
+        if temperature > 0:
+            p = sampling_probs(out.logits[0], temperature, top_p)
+            m, nxt = accept_sampled(block[1:], draft_q, p, gen)
+        else:
+            m, nxt = accept_greedy(block[1:], out.logits[0])
+        new = block[1:1 + m].tolist() + [int(nxt)]
+        target.crop_cache(cache, L + m)  # keep positions 0 .. L-1+m: the anchor and the accepted drafts
+        new_feats, new_pos = out.features[0, :m + 1], torch.arange(L - 1, L + m, device=dev)
+        new = _truncate(new, stops, max_new_tokens - len(committed))
+        committed += new
+        res.accepted.append(len(new))
+        if on_tokens:
+            on_tokens(new)
+        res.time_draft += t1 - t0
+        res.time_verify += t2 - t1
+    res.tokens = committed[:max_new_tokens]
+    res.time_total = time.perf_counter() - t_start
+    return res
+
+
+def _propose(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen):
+    """Draft tokens for slots 1.. of `block` [b] and (sampling) their distributions [b-1, V]."""
+    dt = drafter.fc.weight.dtype
+    hidden = drafter.draft_hidden(new_feats.to(dt), new_pos, target.embed(block).to(dt), anchor_pos, ctx)
+    rows = drafter.vocab_rows
+    logits = target.head(hidden[1:].to(target.dtype), rows)  # [b-1, Vd]
+    if temperature > 0:
+        q = _full_vocab(sampling_probs(logits, temperature, top_p), rows, target.vocab_size)
+        return torch.multinomial(q, 1, generator=gen)[:, 0], q
+    picks = logits.argmax(-1)
+    return (rows[picks] if rows is not None else picks), None
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, temperature, top_p), 1, generator=gen)[:, 0]
+
+
+def _full_vocab(probs: torch.Tensor, rows, vocab_size: int) -> torch.Tensor:
+    if rows is None:
+        return probs
+    full = probs.new_zeros(probs.shape[0], vocab_size)
+    full[:, rows] = probs
+    return full
+
+
+def _truncate(new: list[int], stops: set, room: int) -> list[int]:
+    new = new[:room]
+    for i, t in enumerate(new):
+        if t in stops:
+            return new[:i + 1]
+    return new

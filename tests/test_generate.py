@@ -1,0 +1,156 @@
+"""Clause 8: speculative output equals the target's own decoding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import blockdraft.generate.speculative as spec
+from blockdraft.config import DrafterConfig
+from blockdraft.generate import accept_greedy, speculative_generate
+from blockdraft.model import BlockLayout, DFlashDrafter
+from conftest import V, tiny_target
+
+
+def pair(arch="llama", block_size=4, seed=0, **kw):
+    t = tiny_target(arch, seed=seed)
+    with torch.no_grad():  # a confident target: greedy decoding is then well defined (no near-ties)
+        t.model.get_output_embeddings().weight.mul_(8)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=2, block_size=block_size, **kw))
+    return t, d
+
+
+def reference(t, ids, n, stop=None):
+    out = t.model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def oracle(truth, corrupt_every):
+    """A proposer that drafts the target's true continuation, wrong every `corrupt_every`-th slot."""
+    calls = {"n": 0}
+
+    def propose(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen):
+        spec_real(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen)
+        start = anchor_pos + 1 - prompt_len[0]
+        picks = []
+        for k in range(1, block.shape[0]):
+            calls["n"] += 1
+            i = start + k - 1
+            tok = truth[i] if i < len(truth) else 0
+            picks.append((tok + 1) % V if calls["n"] % corrupt_every == 0 else tok)
+        return torch.tensor(picks), None
+
+    return propose
+
+
+spec_real = spec._propose
+prompt_len = [0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_equals_the_targets_own_decoding(arch, block_size):
+    t, d = pair(arch, block_size)
+    ids = torch.randint(0, V - 1, (1, 11))
+    ref = reference(t, ids, 40)
+    res = speculative_generate(t, d, ids, max_new_tokens=40)
+    assert res.tokens == ref
+    assert sum(res.accepted) == 39 and all(1 <= a <= block_size for a in res.accepted)  # + 1 from prefill
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("corrupt_every", [3, 7, 1000])
+def test_greedy_with_accepted_drafts(monkeypatch, arch, corrupt_every):
+    """Drafts that are mostly right exercise acceptance, the bonus token and cache cropping."""
+    t, d = pair(arch, 6)
+    ids = torch.randint(0, V - 1, (1, 9))
+    ref = reference(t, ids, 50)
+    prompt_len[0] = ids.shape[1]
+    monkeypatch.setattr(spec, "_propose", oracle(ref, corrupt_every))
+    res = speculative_generate(t, d, ids, max_new_tokens=50)
+    assert res.tokens == ref
+    if corrupt_every == 1000:
+        assert all(a == 6 for a in res.accepted[:-1])  # 5 drafts + the target's token, every step but the last
+    assert max(res.accepted) <= 6
+
+
+def test_stop_tokens_and_length():
+    t, d = pair("qwen3", 4)
+    ids = torch.randint(0, V - 1, (1, 7))
+    ref = reference(t, ids, 30)
+    stop = ref[12]
+    res = speculative_generate(t, d, ids, max_new_tokens=30, stop_token_ids=[stop])
+    assert res.tokens == ref[: ref.index(stop) + 1]
+    for n in (1, 2, 5):
+        assert speculative_generate(t, d, ids, max_new_tokens=n).tokens == ref[:n]
+
+
+def test_cached_drafting_equals_the_training_forward():
+    t, d = pair("llama", 5, layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                sliding_causal_in_block=True)
+    T = 20
+    feats = torch.randn(T, d.config.feature_size)
+    embeds = torch.randn(d.block_size, d.config.hidden_size)
+    a = T  # block anchored right after the context
+    ctx = d.new_context_cache()
+    with torch.no_grad():
+        # feed the context in three uneven pieces, drafting after each
+        d.draft_hidden(feats[:7], torch.arange(7), embeds, 7, ctx)
+        d.draft_hidden(feats[7:12], torch.arange(7, 12), embeds, 12, ctx)
+        cached = d.draft_hidden(feats[12:], torch.arange(12, T), embeds, a, ctx)
+        all_feats = torch.cat([feats, torch.zeros(1, feats.shape[1])])  # row a exists but is not visible
+        layout = BlockLayout(torch.zeros(T + 1, dtype=torch.long), torch.arange(T + 1), torch.tensor([a]), 5)
+        ref = d(all_feats, embeds[None], layout, "dense")[0]
+    torch.testing.assert_close(cached, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_follows_the_targets_distribution():
+    """Chi-square test of the second generated token (the first one the drafter proposes) against the
+    target's own marginal sum_f p(f | prompt) p(. | prompt, f)."""
+    t, d = pair("llama", 4, seed=3)
+    with torch.no_grad():
+        t.model.get_output_embeddings().weight.div_(4)  # a flatter target: many tokens with real mass
+        d.norm.weight.mul_(300)  # a sharp drafter, far from the target: a wrong acceptance rule shows
+    ids = torch.randint(0, V - 1, (1, 6))
+    temp, n = 1.0, 1500
+    counts = torch.zeros(V)
+    for i in range(n):
+        res = speculative_generate(t, d, ids, max_new_tokens=2, temperature=temp, seed=i)
+        counts[res.tokens[1]] += 1
+    with torch.no_grad():
+        p_first = torch.softmax(t.model(ids).logits[0, -1] / temp, -1)  # [V]
+        both = torch.cat([ids.expand(V, -1), torch.arange(V)[:, None]], 1)  # every possible first token
+        p_second = torch.softmax(t.model(both).logits[:, -1] / temp, -1)  # [V, V]
+    expected = (p_first[:, None] * p_second).sum(0) * n
+    keep = expected >= 5
+    chi2 = float((((counts - expected) ** 2) / expected)[keep].sum())
+    dof = int(keep.sum()) - 1
+    z = 3.09  # 99.9% quantile of chi-square, Wilson-Hilferty approximation
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < crit, (chi2, crit, dof)
+
+
+def test_accept_greedy_rule():
+    logits = torch.full((4, 10), -1.0)
+    for k, tok in enumerate([3, 5, 7, 9]):
+        logits[k, tok] = 1.0
+    assert accept_greedy(torch.tensor([3, 5, 7]), logits) == (3, 9)
+    assert accept_greedy(torch.tensor([3, 6, 7]), logits) == (1, 5)
+    assert accept_greedy(torch.tensor([0, 5, 7]), logits) == (0, 3)
+
+
+def test_bad_requests():
+    t, d = pair("llama", 4)
+    ids = torch.randint(0, V - 1, (1, 5))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(t, d, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="context"):
+        speculative_generate(t, d, ids, max_new_tokens=10_000)
+    with pytest.warns(UserWarning, match="larger than the drafter"):
+        speculative_generate(t, d, ids, max_new_tokens=3, block_size=6)
+    other = tiny_target("llama", layer_ids=[0, 2, 4])
+    with pytest.raises(ValueError, match="feature layers"):
+        speculative_generate(other, d, ids, max_new_tokens=3)
