@@ -48,6 +48,65 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _load_pair(args):
+    from .checkpoint import load_drafter
+    from .target import TargetModel
+    from .train.run import pick_device
+
+    device = pick_device(args.device)
+    drafter = load_drafter(args.drafter, device=device)
+    target = TargetModel.from_pretrained(args.target, layer_ids=drafter.config.target_layer_ids, device=device)
+    return target, drafter
+
+
+def cmd_generate(args) -> int:
+    from .bench.prompts import encode
+    from .bench.runner import stop_ids
+    from .generate import speculative_generate
+
+    _threads(args)
+    target, drafter = _load_pair(args)
+    tok = target.tokenizer
+    if args.chat:
+        ids = encode(tok, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = tok(args.prompt, return_tensors="pt")["input_ids"]
+    shown: list[int] = []
+    printed = [""]
+
+    def stream(new):
+        shown.extend(new)
+        text = tok.decode(shown, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = text
+
+    res = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_p=args.top_p, block_size=args.block_size,
+                               stop_token_ids=stop_ids(tok), seed=args.seed, on_tokens=stream)
+    dt = res.time_total - res.time_prefill
+    print(f"\n\n[tau {res.tau:.2f} | {len(res.tokens)} tokens | {(len(res.tokens) - 1) / max(dt, 1e-9):.1f} tok/s "
+          f"after a {res.time_prefill:.2f}s prefill]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.runner import run_bench
+
+    _threads(args)
+    target, drafter = _load_pair(args)
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    results = run_bench(target, drafter, sets, args.n, max_new_tokens=args.max_new_tokens,
+                        block_size=args.block_size, json_path=args.json, plot_path=args.plot,
+                        progress=not args.no_progress)
+    print(f"{'set':10} {'n':>3} {'tau':>5} {'target t/s':>10} {'spec t/s':>9} {'speedup':>7} {'ceiling':>7} "
+          f"{'lookup':>6} identical")
+    for r in results:
+        print(f"{r['set']:10} {r['n_prompts']:>3} {r['tau']:>5.2f} {r['target_tok_s']:>10.1f} {r['spec_tok_s']:>9.1f} "
+              f"{r['speedup']:>6.2f}x {r['ceiling']:>6.2f}x {r['lookup_speedup']:>5.2f}x {r['identical']}")
+    return 0 if all(r["identical"] for r in results) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
     sub = p.add_subparsers(dest="cmd")
@@ -98,6 +157,33 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None)
     r.add_argument("--threads", type=int, default=None)
     r.set_defaults(fn=cmd_regenerate)
+    g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s")
+    g.add_argument("prompt")
+    g.add_argument("--target", default="smollm2")
+    g.add_argument("--drafter", default="default", help="drafter directory, or 'default'")
+    g.add_argument("--chat", action="store_true", help="apply the chat template")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--threads", type=int, default=None)
+    g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval")
+    b.add_argument("--target", default="smollm2")
+    b.add_argument("--drafter", default="default")
+    b.add_argument("--sets", default="mtbench,gsm8k,humaneval")
+    b.add_argument("--n", type=int, default=20)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--json", default=None)
+    b.add_argument("--plot", default=None)
+    b.add_argument("--device", default=None)
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(fn=cmd_bench)
     return p
 
 

@@ -1,0 +1,113 @@
+"""Benchmark: target greedy vs speculative vs prompt-lookup decoding, interleaved prompt by prompt.
+
+All three run in one process on the same prompts, so ratios are taken under the same load.
+The ceiling of a set is tau * t_step / (t_verify(B) + t_draft): the speedup that perfect
+bookkeeping would give at the measured acceptance and forward costs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import torch
+
+from ..generate.baseline import target_greedy
+from ..generate.speculative import speculative_generate
+from .prompts import encode, load_prompt_set
+
+
+def stop_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.no_grad()
+def lookup_generate(target, ids, max_new_tokens, stops, lookup_tokens):
+    t0 = time.perf_counter()
+    out = target.model.generate(ids.to(target.device), max_new_tokens=max_new_tokens, do_sample=False,
+                                prompt_lookup_num_tokens=lookup_tokens, eos_token_id=stops,
+                                pad_token_id=stops[0])
+    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
+
+
+def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_size: int | None,
+              lookup_tokens: int = 10, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    prompts = load_prompt_set(name, n)
+    stops = stop_ids(target.tokenizer)
+    agg = Counter()
+    hist: Counter = Counter()
+    identical = True
+    for msgs in tqdm(prompts, desc=f"bench {name}", disable=not progress):
+        ids = encode(target.tokenizer, msgs)
+        base = target_greedy(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        spec = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+                                    block_size=block_size)
+        look, t_look = lookup_generate(target, ids, max_new_tokens, stops, lookup_tokens)
+        identical &= base.tokens == spec.tokens
+        hist.update(spec.accepted)
+        agg["base_tokens"] += len(base.tokens) - 1  # decode phase only: the prefill is common to all
+        agg["base_time"] += base.time_total - base.time_prefill
+        agg["base_steps"] += len(base.accepted)
+        agg["spec_tokens"] += len(spec.tokens) - 1
+        agg["spec_time"] += spec.time_total - spec.time_prefill
+        agg["spec_steps"] += len(spec.accepted)
+        agg["t_draft"] += spec.time_draft
+        agg["t_verify"] += spec.time_verify
+        agg["look_tokens"] += len(look)
+        agg["look_time"] += t_look
+        agg["look_base_time"] += base.time_total
+    steps = max(1, agg["spec_steps"])
+    tau = agg["spec_tokens"] / steps
+    t_step = agg["base_time"] / max(1, agg["base_steps"])
+    t_verify, t_draft = agg["t_verify"] / steps, agg["t_draft"] / steps
+    base_tps = agg["base_tokens"] / max(1e-9, agg["base_time"])
+    spec_tps = agg["spec_tokens"] / max(1e-9, agg["spec_time"])
+    other = agg["spec_time"] - agg["t_draft"] - agg["t_verify"]
+    return {
+        "set": name, "n_prompts": len(prompts), "block_size": block_size or drafter.block_size, "tau": tau,
+        "target_tok_s": base_tps, "spec_tok_s": spec_tps, "speedup": spec_tps / max(1e-9, base_tps),
+        "identical": bool(identical),
+        "lookup_speedup": (agg["look_tokens"] / max(1e-9, agg["look_time"])) /
+                          max(1e-9, (agg["base_tokens"] + len(prompts)) / max(1e-9, agg["look_base_time"])),
+        "t_step_ms": 1e3 * t_step, "t_verify_ms": 1e3 * t_verify, "t_draft_ms": 1e3 * t_draft,
+        "bookkeeping_frac": other / max(1e-9, agg["spec_time"]),
+        "ceiling": tau * t_step / max(1e-9, t_verify + t_draft),
+        "accepted_hist": {int(k): int(v) for k, v in sorted(hist.items())},
+    }
+
+
+def plot_hist(results: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.5), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        h = r["accepted_hist"]
+        ax.bar(list(h), list(h.values()))
+        ax.set(title=f"{r['set']}: tau {r['tau']:.2f}, {r['speedup']:.2f}x", xlabel="tokens committed per step",
+               ylabel="steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(target, drafter, sets: list[str], n: int, *, max_new_tokens: int = 256, block_size=None,
+              json_path=None, plot_path=None, progress: bool = True) -> list[dict]:
+    results = [bench_set(target, drafter, s, n, max_new_tokens=max_new_tokens, block_size=block_size,
+                         progress=progress) for s in sets]
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+    if plot_path:
+        plot_hist(results, plot_path)
+    return results
