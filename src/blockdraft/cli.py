@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--features-cache", default=None, help="train from `blockdraft extract` shards")
+    t.add_argument("--memo-features", choices=["auto", "on", "off"], default="auto",
+                   help="keep the target's outputs in memory after the first epoch (auto: if under 4 GiB)")
     t.add_argument("--gradient-checkpointing", action="store_true")
     t.add_argument("--skip-bad-lines", action="store_true")
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")

@@ -45,6 +45,7 @@ def layer_id_from_hidden_states_index(index: int) -> int:
 class TargetOutput:
     features: torch.Tensor  # [Bz, T, F*Ht] outputs of the chosen layers, concatenated in config order
     logits: torch.Tensor | None  # [Bz, T, V], or [P, V] at the positions of a boolean logits mask
+    final_hidden: torch.Tensor | None = None  # [Bz, T, Ht] after the final norm (head(final_hidden) == logits)
 
 
 def cache_dir() -> Path:
@@ -225,13 +226,16 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, logits_mask: torch.Tensor | None = None,
-                return_logits: bool = True, cache=None, **kwargs) -> TargetOutput:
+                return_logits: bool = True, cache=None, return_final_hidden: bool = False,
+                **kwargs) -> TargetOutput:
         """Features of the chosen layers [Bz, T, F*Ht] and the model's own logits.
 
         `logits_mask` (bool [Bz, T]) keeps only the logits at its True positions, flattened
         to [P, V] in row-major order: a 150k vocabulary at 8k tokens does not fit otherwise.
         Packed rows pass `position_ids` restarting at 0 per document; transformers then keeps
         attention inside each document. `cache` (from `new_cache`) is extended in place.
+        `return_final_hidden` returns the final normed state instead of logits (what an offline
+        cache stores; `head` turns it into exactly these logits).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -245,7 +249,12 @@ class TargetModel(nn.Module):
         self._captured.clear()
         self._capturing = True
         try:
-            if return_logits:
+            final = None
+            if return_final_hidden:
+                final = self._base()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                     use_cache=False, **kwargs).last_hidden_state
+                logits = None
+            elif return_logits:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                  logits_to_keep=keep, use_cache=cache is not None, **kwargs)
                 logits = out.logits
@@ -257,7 +266,7 @@ class TargetModel(nn.Module):
             self._capturing = False
         feats = torch.cat([self._captured[lid] for lid in self.layer_ids], dim=-1)  # [Bz, T, F*Ht]
         self._captured.clear()
-        return TargetOutput(features=feats, logits=logits)
+        return TargetOutput(features=feats, logits=logits, final_hidden=final)
 
     def _cache_kwarg(self) -> str:
         import inspect

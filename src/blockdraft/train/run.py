@@ -98,7 +98,15 @@ def run_training(args) -> dict:
                      loss=args.loss, gamma=args.gamma, seed=args.seed, eval_every=args.eval_every,
                      save_every=args.save_every, gradient_checkpointing=args.gradient_checkpointing,
                      progress=not args.no_progress)
-    trainer = Trainer(target, drafter, train_rows, eval_rows, tc)
+    from ..data.features import FeatureMemo, memo_bytes
+
+    memo = args.memo_features == "on" or (args.memo_features == "auto" and
+                                          memo_bytes(target, train_rows) < 4 * 2**30)
+    feats = {}
+    if memo:  # compute the target's outputs once, reuse them every epoch
+        feats = {"train_features": FeatureMemo(target, train_rows),
+                 "eval_features": FeatureMemo(target, eval_rows) if eval_rows is not None else None}
+    trainer = Trainer(target, drafter, train_rows, eval_rows, tc, **feats)
     print(f"train: {train_rows['input_ids'].shape[0]} rows x {args.max_length} tokens, "
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}")

@@ -103,10 +103,12 @@ class Prepared:
 
 
 def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator: torch.Generator | None = None,
-            anchors: torch.Tensor | None = None) -> Prepared:
+            anchors: torch.Tensor | None = None, cached=None) -> Prepared:
     """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
 
-    `anchors` (flat, sorted) overrides sampling.
+    `anchors` (flat, sorted) overrides sampling. `cached` = (features [Bz, T, F*Ht], final_hidden
+    [Bz, T, Ht]) stored earlier replaces the target forward: the labels are then the target's own
+    head on its final normed state, which equals its logits (one norm, never two).
     """
     B = drafter.block_size
     Bz, T = batch.input_ids.shape
@@ -128,18 +130,25 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator:
     lpos = label_positions(anchors, B)[sup]  # [S] flat positions whose logits are the labels
     keep = torch.zeros(Bz * T, dtype=torch.bool, device=dev)
     keep[lpos] = True
-    out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep.view(Bz, T))
-    row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row of out.logits
+    if cached is None:
+        out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep.view(Bz, T))
+        row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row of out.logits
+        labels, feats = out.logits[row_of[lpos]], out.features.reshape(Bz * T, -1)
+    else:
+        feats_c, final = (t.to(dev) for t in cached)
+        with torch.no_grad():
+            labels = target.head(final.reshape(Bz * T, -1)[lpos].to(target.dtype))
+        feats = feats_c.reshape(Bz * T, -1)
     embeds = target.embed(block_input_ids(flat.input_ids, anchors, B, drafter.mask_token_id))  # [N, B, Hd]
-    return Prepared(anchors, sup, out.logits[row_of[lpos]], out.features.reshape(Bz * T, -1), embeds,
-                    BlockLayout(flat.document_ids, flat.position_ids, anchors, B))
+    return Prepared(anchors, sup, labels, feats, embeds, BlockLayout(flat.document_ids, flat.position_ids, anchors, B))
 
 
 def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma: float | None = None,
                  loss: str = "soft", generator: torch.Generator | None = None,
-                 backend: str = "auto", anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                 backend: str = "auto", anchors: torch.Tensor | None = None, cached=None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (clause 7)."""
-    p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors)
+    p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors,
+                cached=cached)
     dt = drafter.fc.weight.dtype
     hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout, backend)  # [N, B, Hd]
     rows = drafter.vocab_rows

@@ -79,17 +79,18 @@ def estimate_feature_scale(target, rows: dict, n_rows: int = 4) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int) -> dict:
+def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int, features=None) -> dict:
     """Held-out loss, exact mean accepted length (tau) and per-slot accuracy, with fixed anchors."""
     drafter.eval()
     gen = torch.Generator().manual_seed(12345)
     lengths, losses, hits, counts = [], [], None, None
     R = rows["input_ids"].shape[0]
     for s in range(0, R, rows_per_batch):
-        b = rows_batch(rows, torch.arange(s, min(R, s + rows_per_batch)))
+        idx = torch.arange(s, min(R, s + rows_per_batch))
+        b = rows_batch(rows, idx)
         try:
             loss, m = compute_loss(target, drafter, b, max_anchors=cfg.eval_anchors, gamma=cfg.gamma, loss=cfg.loss,
-                                   generator=gen, backend=cfg.backend)
+                                   generator=gen, backend=cfg.backend, cached=features(idx) if features else None)
         except ValueError:
             continue  # a held-out row with nothing to learn
         lengths += m["accepted_lengths"]
@@ -106,8 +107,12 @@ def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int)
 
 
 class Trainer:
-    def __init__(self, target, drafter, train_rows: dict, eval_rows: dict | None, cfg: TrainConfig):
+    def __init__(self, target, drafter, train_rows: dict, eval_rows: dict | None, cfg: TrainConfig, *,
+                 train_features=None, eval_features=None):
+        """`train_features`/`eval_features`: optional idx -> (features, final_hidden) of stored target
+        outputs (FeatureMemo, DiskFeatures); without them the target runs in the loop."""
         cfg.validate()
+        self.train_features, self.eval_features = train_features, eval_features
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.out = Path(cfg.out)
@@ -121,6 +126,12 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
+
+    def feature_scale(self) -> torch.Tensor:
+        if self.train_features is None:
+            return estimate_feature_scale(self.target, self.train_rows)
+        feats = self.train_features(torch.arange(min(4, self.train_rows["input_ids"].shape[0])))[0].float()
+        return 1.0 / feats.pow(2).mean(dim=(0, 1)).sqrt().clamp(min=1e-2)
 
     # ----------------------------------------------------------------- data order
     def batch_indices(self, step: int, micro: int) -> torch.Tensor:
@@ -166,10 +177,12 @@ class Trainer:
         agg: dict = {"loss": 0.0, "tau": 0.0, "accuracy": 0.0}
         amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.target.device.type == "cuda" else nullcontext())
         for micro in range(cfg.grad_accum):
-            b = rows_batch(self.train_rows, self.batch_indices(s, micro))
+            idx = self.batch_indices(s, micro)
+            b = rows_batch(self.train_rows, idx)
+            cached = self.train_features(idx) if self.train_features else None
             with amp:
                 loss, m = compute_loss(self.target, self.drafter, b, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
-                                       loss=cfg.loss, generator=self.gen, backend=cfg.backend)
+                                       loss=cfg.loss, generator=self.gen, backend=cfg.backend, cached=cached)
             (loss / cfg.grad_accum).backward()
             for k in agg:
                 agg[k] += m[k] / cfg.grad_accum
@@ -187,7 +200,7 @@ class Trainer:
         if resume:
             self.resume()
         else:
-            self.drafter.set_feature_scale(estimate_feature_scale(self.target, self.train_rows), keep_function=False)
+            self.drafter.set_feature_scale(self.feature_scale(), keep_function=False)
             (self.out / "metrics.jsonl").write_text("")
         (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
         bar = tqdm(total=self.total, initial=self.progress["step"], disable=not self.cfg.progress,
@@ -200,7 +213,8 @@ class Trainer:
             m["elapsed"] = self.progress["elapsed"]
             step = self.progress["step"]
             if self.eval_rows is not None and (step % self.cfg.eval_every == 0 or step == self.total):
-                last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch)
+                last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch,
+                                     self.eval_features)
                 m.update(last_eval)
             if step % self.cfg.log_every == 0 or "eval_tau" in m:
                 self.log(m)

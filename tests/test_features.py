@@ -1,0 +1,59 @@
+"""Stored target outputs: the same labels and features as the online path, refusal of a foreign cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from blockdraft.config import DrafterConfig
+from blockdraft.data.features import DiskFeatures, FeatureMemo, cache_identity, extract
+from blockdraft.model import DFlashDrafter
+from blockdraft.train import prepare
+from blockdraft.train.trainer import rows_batch
+from conftest import ARCHS, tiny_target
+from test_trainer import tiny_rows
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_outputs_give_the_online_labels_and_features(arch):
+    t = tiny_target(arch)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    rows = tiny_rows(4)
+    idx = torch.tensor([2, 0])
+    b = rows_batch(rows, idx)
+    online = prepare(t, d, b, max_anchors=6, generator=torch.Generator().manual_seed(0))
+    memo = FeatureMemo(t, rows)
+    stored = prepare(t, d, b, max_anchors=6, generator=torch.Generator().manual_seed(0), cached=memo(idx))
+    torch.testing.assert_close(stored.target_logits, online.target_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stored.features, online.features, rtol=0, atol=0)
+
+
+def test_extract_resumes_and_refuses_a_foreign_cache(tmp_path):
+    t = tiny_target("llama")
+    rows = tiny_rows(10)
+    out = tmp_path / "cache"
+    extract(t, rows, out, shard_rows=3, progress=False)
+    shards = sorted(out.glob("shard-*.safetensors"))
+    assert len(shards) == 4
+    # a restart after a kill redoes only the missing shard
+    mtimes = {p.name: p.stat().st_mtime_ns for p in shards}
+    os.remove(shards[2])
+    extract(t, rows, out, shard_rows=3, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("shard-*.safetensors"))
+            if p.name != shards[2].name} == {k: v for k, v in mtimes.items() if k != shards[2].name}
+    cache = DiskFeatures(out, expect=cache_identity(t, 40, torch.float32))
+    f, h = cache(torch.tensor([7]))
+    ref_f, ref_h = FeatureMemo(t, rows)(torch.tensor([7]))
+    torch.testing.assert_close(f, ref_f, rtol=0, atol=0)
+    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+    assert torch.equal(cache.rows["input_ids"], rows["input_ids"])
+    other = tiny_target("llama", layer_ids=[0, 2, 4])
+    with pytest.raises(ValueError, match="layer_ids"):
+        DiskFeatures(out, expect=cache_identity(other, 40, torch.float32))
+    with pytest.raises(ValueError, match="other settings"):
+        extract(other, rows, out, shard_rows=3, progress=False)
+    os.remove(shards[0])
+    with pytest.raises(ValueError, match="incomplete"):
+        DiskFeatures(out)
