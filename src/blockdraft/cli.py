@@ -107,6 +107,14 @@ def cmd_bench(args) -> int:
     return 0 if all(r["identical"] for r in results) else 1
 
 
+def cmd_extract(args) -> int:
+    from .train.run import run_extract
+
+    _threads(args)
+    print(f"feature cache written to {run_extract(args)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
     sub = p.add_subparsers(dest="cmd")
@@ -159,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None)
     r.add_argument("--threads", type=int, default=None)
     r.set_defaults(fn=cmd_regenerate)
+    x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)")
+    x.add_argument("--target", default="smollm2")
+    x.add_argument("--data", default=DEFAULT_DATA)
+    x.add_argument("--out", required=True)
+    x.add_argument("--max-length", type=int, default=1024)
+    x.add_argument("--num-features", type=int, default=5)
+    x.add_argument("--layer-ids", type=lambda s: [int(v) for v in s.split(",")], default=None)
+    x.add_argument("--shard-rows", type=int, default=64)
+    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--skip-bad-lines", action="store_true")
+    x.add_argument("--device", default=None)
+    x.add_argument("--threads", type=int, default=None)
+    x.set_defaults(fn=cmd_extract)
+
     g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s")
     g.add_argument("prompt")
     g.add_argument("--target", default="smollm2")

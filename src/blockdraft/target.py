@@ -196,6 +196,36 @@ class TargetModel(nn.Module):
         tok = AutoTokenizer.from_pretrained(local)
         return cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
 
+    @classmethod
+    def head_only(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
+                  num_features: int = 5, dtype: torch.dtype = torch.float32, device: str | None = None,
+                  mask_token_id: int | None = None) -> "TargetModel":
+        """The target's config, tokenizer, embedding and head only (decoder layers stay on the meta
+        device): enough to train from a feature cache, which never runs the target."""
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        local, name = resolve_target(path)
+        config = AutoConfig.from_pretrained(local)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        files = sorted(local.glob("*.safetensors"))
+        names = {n for f in files for n in safe_open(str(f), "pt").keys()}
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for mod in (model.get_input_embeddings(), model.get_output_embeddings()):
+            pname = next(n for n, p in params.items() if p is mod.weight)
+            key = pname if pname in names else next((n for n in names if n.endswith("embed_tokens.weight")), None)
+            if key is None:
+                raise ValueError(f"{local} has no tensor for {pname}")
+            f = next(f for f in files if key in safe_open(str(f), "pt").keys())
+            with safe_open(str(f), "pt", device="cpu") as fh:
+                mod.weight = nn.Parameter(fh.get_tensor(key).to(dtype=dtype, device=device or "cpu"),
+                                          requires_grad=False)
+        tok = AutoTokenizer.from_pretrained(local)
+        target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
+        target.head_only_loaded = True
+        return target
+
     # -------------------------------------------------------------- checks
     def check_mask_token(self, mask_token_id: int) -> int:
         m = int(mask_token_id)
@@ -237,6 +267,8 @@ class TargetModel(nn.Module):
         `return_final_hidden` returns the final normed state instead of logits (what an offline
         cache stores; `head` turns it into exactly these logits).
         """
+        if getattr(self, "head_only_loaded", False):
+            raise ValueError("this target was loaded head-only (for a feature cache) and cannot run forward")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         keep: int | torch.Tensor = 0

@@ -51,35 +51,80 @@ def pick_device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_training(args) -> dict:
-    from ..checkpoint.native import load_drafter
+def conversation_rows(target, args) -> tuple[dict, dict | None]:
+    """Render and pack --data (and --eval-data or a held-out split of it) into rows."""
     from ..data import load_conversations, pack, render
-    from ..model import DFlashDrafter, DrafterConfig
-    from ..target import TargetModel
 
-    torch.manual_seed(args.seed)
-    from .plots import plot_run
-    from .trainer import TrainConfig, Trainer
-
-    if args.features_cache:
-        raise ValueError("--features-cache is not available yet in this version; train online (omit the flag)")
-    device = pick_device(args.device)
-    target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
-                                         device=device)
     convs, stats = load_conversations(resolve_data(args.data), skip_bad_lines=args.skip_bad_lines)
     if stats.bad_lines or stats.no_assistant:
         print(f"data: skipped {stats.bad_lines} bad lines and {stats.no_assistant} conversations without an "
               f"assistant turn")
-    if args.eval_data:
+    if getattr(args, "eval_data", None):
         train_c, eval_c = convs, load_conversations(resolve_data(args.eval_data))[0]
     else:
-        train_c, eval_c = split_conversations(convs, args.eval_fraction, args.seed)
+        train_c, eval_c = split_conversations(convs, getattr(args, "eval_fraction", 0.0), args.seed)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
 
     def rows(cs):
         return pack([render(target.tokenizer, c) for c in cs], args.max_length, pad) if cs else None
 
-    train_rows, eval_rows = rows(train_c), rows(eval_c)
+    return rows(train_c), rows(eval_c)
+
+
+def cached_rows(args, target) -> tuple[dict, dict | None, object, object]:
+    """Rows and stored outputs from a `blockdraft extract` directory, split by row for held-out eval."""
+    from ..data.features import DiskFeatures, cache_identity
+
+    cache = DiskFeatures(args.features_cache, expect=cache_identity(target, args.max_length, torch.float32))
+    R = cache.rows["input_ids"].shape[0]
+    order = torch.randperm(R, generator=torch.Generator().manual_seed(args.seed))
+    n_eval = min(R - 1, max(1, int(round(args.eval_fraction * R)))) if args.eval_fraction > 0 else 0
+    ev, tr = order[:n_eval], order[n_eval:]
+
+    def part(idx):
+        return {k: v[idx] for k, v in cache.rows.items()}, (lambda i: cache(idx[i]))
+
+    (train_rows, train_f), (eval_rows, eval_f) = part(tr), part(ev)
+    return train_rows, (eval_rows if n_eval else None), train_f, (eval_f if n_eval else None)
+
+
+def run_extract(args) -> str:
+    from ..data.features import extract
+    from ..target import TargetModel
+
+    target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
+                                         device=pick_device(args.device))
+    args.eval_fraction = 0.0
+    rows, _ = conversation_rows(target, args)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    out = extract(target, rows, args.out, shard_rows=args.shard_rows, dtype=dtype)
+    return str(out)
+
+
+def run_training(args) -> dict:
+    from ..checkpoint.native import load_drafter
+    from ..data.features import FeatureMemo, memo_bytes
+    from ..model import DFlashDrafter, DrafterConfig
+    from ..target import TargetModel
+    from .plots import plot_run
+    from .trainer import TrainConfig, Trainer
+
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    feats: dict = {}
+    if args.features_cache:  # the target never runs: only its embedding and head are loaded
+        target = TargetModel.head_only(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
+                                       device=device)
+        train_rows, eval_rows, tf, ef = cached_rows(args, target)
+        feats = {"train_features": tf, "eval_features": ef}
+    else:
+        target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
+                                             device=device)
+        train_rows, eval_rows = conversation_rows(target, args)
+        if args.memo_features == "on" or (args.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
+            # compute the target's outputs once, reuse them every epoch
+            feats = {"train_features": FeatureMemo(target, train_rows),
+                     "eval_features": FeatureMemo(target, eval_rows) if eval_rows is not None else None}
     vocab = args.draft_vocab
     if vocab == "auto":
         vocab = 8192 if device == "cpu" else None  # on CPU the head is most of the drafter's cost
@@ -98,16 +143,8 @@ def run_training(args) -> dict:
                      loss=args.loss, gamma=args.gamma, seed=args.seed, eval_every=args.eval_every,
                      save_every=args.save_every, gradient_checkpointing=args.gradient_checkpointing,
                      progress=not args.no_progress)
-    from ..data.features import FeatureMemo, memo_bytes
-
-    memo = args.memo_features == "on" or (args.memo_features == "auto" and
-                                          memo_bytes(target, train_rows) < 4 * 2**30)
-    feats = {}
-    if memo:  # compute the target's outputs once, reuse them every epoch
-        feats = {"train_features": FeatureMemo(target, train_rows),
-                 "eval_features": FeatureMemo(target, eval_rows) if eval_rows is not None else None}
     trainer = Trainer(target, drafter, train_rows, eval_rows, tc, **feats)
-    print(f"train: {train_rows['input_ids'].shape[0]} rows x {args.max_length} tokens, "
+    print(f"train: {train_rows['input_ids'].shape[0]} rows x {train_rows['input_ids'].shape[1]} tokens, "
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}")
     summary = trainer.train(resume=args.resume)
