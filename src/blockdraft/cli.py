@@ -128,9 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-layers", type=int, default=1)
     t.add_argument("--num-features", type=int, default=5)
     t.add_argument("--layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    t.add_argument("--max-anchors", type=int, default=256, help="anchors per packed row")
+    t.add_argument("--max-anchors", type=int, default=128, help="anchors per packed row")
     t.add_argument("--max-length", type=int, default=1024, help="packed row length in tokens")
-    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--max-rows", type=int, default=64,
+                   help="train on at most this many packed rows (default keeps a 2-core CPU run under 15 "
+                        "minutes; 0 = all)")
+    t.add_argument("--epochs", type=float, default=3.0)
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--warmup", type=float, default=0.05, help="steps, or a fraction of all steps if < 1")

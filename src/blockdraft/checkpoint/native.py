@@ -54,8 +54,10 @@ def recover_dir(final: str | os.PathLike) -> Path | None:
     return None
 
 
-def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike) -> Path:
-    sd = {k: v.contiguous() for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
+def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors (weights cast to `dtype` if given; ids stay integers)."""
+    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+          for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
 
     def write(tmp: Path) -> None:
         drafter.config.to_json(tmp / CONFIG)
@@ -76,7 +78,8 @@ def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
     return path
 
 
-def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dtype=None) -> DFlashDrafter:
+def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None,
+                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """Read a drafter directory (JSON + safetensors only). Missing or unknown weights are an error."""
     path = resolve_drafter(dir_or_name)
     cfg = DrafterConfig.from_dict(json.loads((path / CONFIG).read_text()))
@@ -89,5 +92,5 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dty
     if sd["fc.weight"].shape[1] != cfg.feature_size:
         raise ValueError(f"fc.weight takes {sd['fc.weight'].shape[1]} inputs but the config's "
                          f"{cfg.num_features} target layers x {cfg.target_hidden_size} give {cfg.feature_size}")
-    drafter.load_state_dict(sd, strict=False)
+    drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
     return drafter.to(device=device, dtype=dtype).eval()

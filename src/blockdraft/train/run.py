@@ -101,6 +101,15 @@ def run_extract(args) -> str:
     return str(out)
 
 
+def first_rows(rows: dict, max_rows: int) -> dict:
+    """The first `max_rows` packed rows (all when max_rows is 0); stored-output indices stay valid."""
+    if max_rows and rows["input_ids"].shape[0] > max_rows:
+        print(f"data: training on the first {max_rows} of {rows['input_ids'].shape[0]} packed rows "
+              "(--max-rows 0 for all)")
+        return {k: v[:max_rows] for k, v in rows.items()}
+    return rows
+
+
 def run_training(args) -> dict:
     from ..checkpoint.native import load_drafter
     from ..data.features import FeatureMemo, memo_bytes
@@ -116,11 +125,13 @@ def run_training(args) -> dict:
         target = TargetModel.head_only(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
                                        device=device)
         train_rows, eval_rows, tf, ef = cached_rows(args, target)
+        train_rows = first_rows(train_rows, args.max_rows)
         feats = {"train_features": tf, "eval_features": ef}
     else:
         target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
                                              device=device)
         train_rows, eval_rows = conversation_rows(target, args)
+        train_rows = first_rows(train_rows, args.max_rows)
         if args.memo_features == "on" or (args.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
             # compute the target's outputs once, reuse them every epoch
             feats = {"train_features": FeatureMemo(target, train_rows),
