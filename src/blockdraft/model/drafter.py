@@ -186,3 +186,19 @@ class ContextCache:
             empty = like.new_zeros((0,) + tuple(like.shape[1:]))
             return empty, empty
         return self.k[i], self.v[i]
+
+
+@torch.no_grad()
+def init_from_target_layers(drafter: DFlashDrafter, target_layers) -> list[str]:
+    """Copy the weights of target decoder layers (e.g. its top layers) into the drafter layers
+    wherever names and shapes agree (attention projections, MLP, layer norms); returns the
+    copied names. The drafter's own q_norm/k_norm, fc and norms keep their initialisation."""
+    copied = []
+    for d_layer, t_layer in zip(drafter.layers, target_layers):
+        t_params = dict(t_layer.named_parameters())
+        for name, p in d_layer.named_parameters():
+            src = t_params.get(name)
+            if src is not None and src.shape == p.shape:
+                p.copy_(src.to(p))
+                copied.append(name)
+    return copied

@@ -143,6 +143,17 @@ def run_training(args) -> dict:
     cfg = DrafterConfig.for_target(target, num_layers=args.draft_layers, block_size=args.block_size,
                                    draft_vocab_size=vocab)
     drafter = DFlashDrafter(cfg)
+    if getattr(args, "init_from_target", False):
+        if args.features_cache:
+            raise ValueError("--init-from-target needs the whole target; it cannot be combined with --features-cache")
+        from ..model.drafter import init_from_target_layers
+        from ..target import find_decoder_layers
+
+        layers = find_decoder_layers(target.model, target.num_layers)
+        top = list(layers)[target.num_layers - args.draft_layers:]
+        copied = init_from_target_layers(drafter, top)
+        print(f"init: copied {len(copied) // max(1, args.draft_layers)} tensors per layer from the target's top "
+              f"{args.draft_layers} layer(s)")
     if vocab:
         drafter.set_draft_vocab(frequent_tokens(train_rows, target.vocab_size, vocab))
         ids = train_rows["input_ids"][train_rows["loss_mask"].bool()]
