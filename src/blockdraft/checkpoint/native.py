@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import DrafterConfig
 from ..model import DFlashDrafter
+from .formats import config_from_json, detect, to_speculators, to_zlab
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "assets" / "default-drafter"
@@ -60,7 +60,7 @@ def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, dtype:
           for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
 
     def write(tmp: Path) -> None:
-        drafter.config.to_json(tmp / CONFIG)
+        (tmp / CONFIG).write_text(json.dumps(to_zlab(drafter.config), indent=2) + "\n")
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "blockdraft"})
 
     return atomic_dir(directory, write)
@@ -82,7 +82,7 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None,
                  dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """Read a drafter directory (JSON + safetensors only). Missing or unknown weights are an error."""
     path = resolve_drafter(dir_or_name)
-    cfg = DrafterConfig.from_dict(json.loads((path / CONFIG).read_text()))
+    cfg = config_from_json(json.loads((path / CONFIG).read_text()))
     drafter = DFlashDrafter(cfg)
     sd = load_file(str(path / WEIGHTS))
     expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb")}
@@ -94,3 +94,24 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None,
                          f"{cfg.num_features} target layers x {cfg.target_hidden_size} give {cfg.feature_size}")
     drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
     return drafter.to(device=device, dtype=dtype).eval()
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> Path:
+    """Rewrite a drafter directory's config in another format; the weights are copied bit for bit."""
+    path = resolve_drafter(src)
+    raw = json.loads((path / CONFIG).read_text())
+    cfg = config_from_json(raw)
+    if to == "zlab":
+        out = to_zlab(cfg)
+    elif to == "speculators":
+        out = to_speculators(cfg)
+    else:
+        raise ValueError(f"unknown format {to!r}; use zlab or speculators")
+    if detect(raw) == "speculators" and to == "zlab":
+        out["blockdraft"]["target_name"] = cfg.target_name or raw["speculators_config"]["verifier"]["name_or_path"]
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG).write_text(json.dumps(out, indent=2) + "\n")
+        shutil.copyfile(path / WEIGHTS, tmp / WEIGHTS)
+
+    return atomic_dir(dst, write)
