@@ -123,6 +123,15 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from .doctor import FAIL, doctor_main, report
+
+    _threads(args)
+    checks = doctor_main(args.target, args.drafter, args.data, args.device)
+    print(report(checks, as_json=args.json))
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
     sub = p.add_subparsers(dest="cmd")
@@ -200,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.set_defaults(fn=cmd_convert)
+
+    d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint")
+    d.add_argument("--target", default="smollm2")
+    d.add_argument("--drafter", default="default")
+    d.add_argument("--data", default=None, help="conversations to check the loss masks on")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--device", default=None)
+    d.add_argument("--threads", type=int, default=None)
+    d.set_defaults(fn=cmd_doctor)
 
     g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s")
     g.add_argument("prompt")

@@ -1,0 +1,133 @@
+"""Each doctor check fails on the bug it exists to catch (planted here), and passes otherwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import blockdraft.generate.speculative as spec
+import blockdraft.model.blocks as blocks
+import blockdraft.model.masks as masks
+from blockdraft import doctor
+from blockdraft.config import DrafterConfig
+from blockdraft.model import DFlashDrafter
+from conftest import V, tiny_causal_lm, tiny_target
+
+
+def setup(**kw):
+    t = tiny_target("llama")
+    with torch.no_grad():
+        t.model.get_output_embeddings().weight.mul_(8)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, **kw))
+    return t, d, torch.randint(0, V - 1, (1, 40), generator=torch.Generator().manual_seed(0))
+
+
+def statuses(checks):
+    return {c.name: c.status for c in checks}
+
+
+def test_all_pass_on_a_sound_setup():
+    t, d, ids = setup()
+    s = statuses(doctor.run_doctor(t, d, None, ids))
+    assert s.pop("data") == "WARN"  # no data given
+    assert set(s.values()) == {"PASS"}, s
+
+
+def test_labels_check_catches_an_off_by_one(monkeypatch):
+    t, d, ids = setup()
+    monkeypatch.setattr("blockdraft.train.step.label_positions", lambda a, B: blocks.slot_token_positions(a, B))
+    assert doctor.check_labels(t, d, ids).status == "FAIL"
+
+
+def test_labels_check_catches_a_doubled_norm(monkeypatch):
+    t, d, ids = setup()
+    real = t.forward
+
+    def doubled(*a, **k):  # labels from the head applied to an already normed state, normed again
+        out = real(*a, **k)
+        final = t.model.model(a[0], position_ids=k.get("position_ids")).last_hidden_state
+        keep = k.get("logits_mask")
+        out.logits = t.head(t.model.model.norm(final))[keep] if keep is not None else out.logits
+        return out
+
+    monkeypatch.setattr(t, "forward", doubled)
+    assert doctor.check_labels(t, d, ids).status == "FAIL"
+
+
+def test_mask_check_catches_a_leak(monkeypatch):
+    _, d, _ = setup()
+    real = masks.visible
+
+    def leaky(*a, **k):
+        v = real(*a, **k)
+        return v | (a[2] == k["anchors"][a[0]])  # a block sees its own anchor's row (not known at inference)
+
+    monkeypatch.setattr(masks, "visible", leaky)
+    assert doctor.check_mask(d).status == "FAIL"
+
+
+def test_mask_token_check():
+    from blockdraft.target import TargetModel
+
+    t, d, _ = setup()
+    bad = torch.full_like(t.model.get_input_embeddings().weight[0], float("nan"))
+    with torch.no_grad():
+        t.model.get_input_embeddings().weight[d.config.mask_token_id] = bad
+    assert doctor.check_mask_token(t, d).status == "FAIL"
+
+
+def test_mask_token_equal_to_eos_fails(smollm2_tokenizer):
+    from blockdraft.target import TargetModel
+
+    tok = smollm2_tokenizer
+    t = TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    d.config.mask_token_id = tok.eos_token_id  # a checkpoint that chose eos as MASK
+    assert doctor.check_mask_token(t, d).status == "FAIL"
+
+
+def test_pairing_and_layer_ids_checks():
+    t, d, _ = setup()
+    other = tiny_target("llama", layer_ids=[0, 2, 4])
+    assert doctor.check_pairing(other, d).status == "FAIL"
+    assert doctor.check_layer_ids(other, d).status == "FAIL"
+    wide = tiny_target("llama", hidden=48)
+    assert doctor.check_pairing(wide, d).status == "FAIL"
+
+
+def test_sliding_check_warns_on_bidirectional_sliding_layers():
+    _, d, _ = setup(layer_types=["sliding_attention"], sliding_window=8)
+    assert doctor.check_sliding(d).status == "WARN"
+    _, d2, _ = setup(layer_types=["sliding_attention"], sliding_window=8, sliding_causal_in_block=True)
+    assert doctor.check_sliding(d2).status == "PASS"
+
+
+def test_greedy_check_catches_a_broken_acceptance(monkeypatch):
+    t, d, ids = setup()
+    assert doctor.check_greedy(t, d, ids).status == "PASS"
+    monkeypatch.setattr(spec, "accept_greedy", lambda draft, logits: (len(draft), int(logits[-1].argmax())))
+    assert doctor.check_greedy(t, d, ids).status == "FAIL"
+
+
+def test_data_check_catches_user_tokens_in_the_loss(monkeypatch, tmp_path, smollm2_tokenizer):
+    from blockdraft.target import TargetModel
+
+    tok = smollm2_tokenizer
+    t = TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Please list three prime numbers."},
+                                             {"role": "assistant", "content": "2, 3 and 5."}]}) + "\n")
+    assert doctor.check_data(t, str(path)).status == "PASS"
+    import blockdraft.data as data
+
+    real = data.render
+    monkeypatch.setattr(data, "render", lambda tk, m: {**real(tk, m), "loss_mask": [1] * len(real(tk, m)["loss_mask"])})
+    assert doctor.check_data(t, str(path)).status == "FAIL"
+
+
+def test_cli_exit_code(tmp_path):
+    from blockdraft.cli import main
+
+    assert main(["doctor", "--drafter", str(tmp_path / "missing")]) == 1
