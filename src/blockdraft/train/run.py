@@ -118,8 +118,10 @@ def run_training(args) -> dict:
     from .plots import plot_run
     from .trainer import TrainConfig, Trainer
 
-    torch.manual_seed(args.seed)
-    device = pick_device(args.device)
+    from .distributed import init_from_env
+
+    torch.manual_seed(args.seed)  # the same initial drafter on every rank
+    rank, world_size, device = init_from_env(pick_device(args.device))
     feats: dict = {}
     if args.features_cache:  # the target never runs: only its embedding and head are loaded
         target = TargetModel.head_only(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
@@ -168,8 +170,11 @@ def run_training(args) -> dict:
     trainer = Trainer(target, drafter, train_rows, eval_rows, tc, **feats)
     print(f"train: {train_rows['input_ids'].shape[0]} rows x {train_rows['input_ids'].shape[1]} tokens, "
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
-          f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}")
+          f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}"
+          + (f", rank {rank} of {world_size}" if world_size > 1 else ""))
     summary = trainer.train(resume=args.resume)
+    if rank != 0:
+        return summary
     out = Path(args.out)
     plot_run(out / "metrics.jsonl", out)
     load_drafter(out / "drafter")  # the saved directory must load back

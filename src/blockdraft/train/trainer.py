@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.native import save_drafter
+from .distributed import all_reduce_mean, average_gradients, barrier, world
 from .state import load_state, save_state
 from .step import Batch, compute_loss
 
@@ -119,7 +120,10 @@ class Trainer:
         L = train_rows["input_ids"].shape[1]
         self.rows_per_batch = max(1, cfg.batch_tokens // L)
         R = train_rows["input_ids"].shape[0]
-        self.steps_per_epoch = max(1, math.ceil(R / (self.rows_per_batch * cfg.grad_accum)))
+        self.rank, self.world = world()
+        # one optimizer step takes grad_accum micro-batches on every rank
+        self.micro_per_step = cfg.grad_accum * self.world
+        self.steps_per_epoch = max(1, math.ceil(R / (self.rows_per_batch * self.micro_per_step)))
         self.total = cfg.steps or max(1, int(round(cfg.epochs * self.steps_per_epoch)))
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -134,10 +138,19 @@ class Trainer:
         return 1.0 / feats.pow(2).mean(dim=(0, 1)).sqrt().clamp(min=1e-2)
 
     # ----------------------------------------------------------------- data order
+    def global_micro(self, step: int, micro: int) -> int:
+        """Index of a micro-batch in the run: rank r takes micro-batches r, r + W, ... of a step, so
+        W processes with accumulation A see exactly the batches of one process with accumulation W*A."""
+        return step * self.micro_per_step + micro * self.world + self.rank
+
+    def anchor_generator(self, g: int) -> torch.Generator:
+        """Anchors of micro-batch g come from their own seed: the same on any world size and after resume."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + g)
+
     def batch_indices(self, step: int, micro: int) -> torch.Tensor:
-        """Rows of micro-batch `micro` of optimizer step `step`: a fixed permutation per epoch."""
+        """Rows of micro-batch `micro` of optimizer step `step` on this rank: a fixed permutation per epoch."""
         R = self.train_rows["input_ids"].shape[0]
-        k = (step * self.cfg.grad_accum + micro) * self.rows_per_batch
+        k = self.global_micro(step, micro) * self.rows_per_batch
         epoch, start = divmod(k, R)
         perm = torch.randperm(R, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
         idx = perm[start:start + self.rows_per_batch]
@@ -149,10 +162,15 @@ class Trainer:
         return self.out / "checkpoint"
 
     def save(self) -> None:
+        if self.rank != 0:  # written once, atomically, by rank 0
+            barrier()
+            return
         save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress,
                    generator=self.gen)
+        barrier()
 
     def resume(self) -> None:
+        barrier()  # every rank reads the checkpoint rank 0 finished writing
         self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, generator=self.gen)
         self._truncate_metrics(self.progress["step"])
 
@@ -163,6 +181,8 @@ class Trainer:
             path.write_text("".join(ln + "\n" for ln in keep))
 
     def log(self, record: dict) -> None:
+        if self.rank != 0:
+            return
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -180,13 +200,16 @@ class Trainer:
             idx = self.batch_indices(s, micro)
             b = rows_batch(self.train_rows, idx)
             cached = self.train_features(idx) if self.train_features else None
+            gen = self.anchor_generator(self.global_micro(s, micro))
             with amp:
                 loss, m = compute_loss(self.target, self.drafter, b, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
-                                       loss=cfg.loss, generator=self.gen, backend=cfg.backend, cached=cached)
+                                       loss=cfg.loss, generator=gen, backend=cfg.backend, cached=cached)
             (loss / cfg.grad_accum).backward()
             for k in agg:
                 agg[k] += m[k] / cfg.grad_accum
-            self.progress["tokens"] += int(b.input_ids.numel())
+            self.progress["tokens"] += int(b.input_ids.numel()) * self.world
+        average_gradients(self.drafter.parameters())
+        agg = all_reduce_mean(agg)
         agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
         self.opt.step()
         self.progress["step"] = s + 1
@@ -196,14 +219,17 @@ class Trainer:
     def train(self, resume: bool = False) -> dict:
         from tqdm.auto import tqdm
 
+        lead = self.rank == 0
         self.out.mkdir(parents=True, exist_ok=True)
         if resume:
             self.resume()
         else:
             self.drafter.set_feature_scale(self.feature_scale(), keep_function=False)
-            (self.out / "metrics.jsonl").write_text("")
-        (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
-        bar = tqdm(total=self.total, initial=self.progress["step"], disable=not self.cfg.progress,
+            if lead:
+                (self.out / "metrics.jsonl").write_text("")
+        if lead:
+            (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+        bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
                    desc="train", unit="step", dynamic_ncols=True)
         last_eval: dict = {}
         t0 = time.time() - self.progress["elapsed"]
@@ -212,7 +238,7 @@ class Trainer:
             self.progress["elapsed"] = time.time() - t0
             m["elapsed"] = self.progress["elapsed"]
             step = self.progress["step"]
-            if self.eval_rows is not None and (step % self.cfg.eval_every == 0 or step == self.total):
+            if lead and self.eval_rows is not None and (step % self.cfg.eval_every == 0 or step == self.total):
                 last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch,
                                      self.eval_features)
                 m.update(last_eval)
@@ -224,5 +250,7 @@ class Trainer:
             if step % self.cfg.save_every == 0 or step == self.total:
                 self.save()
         bar.close()
-        save_drafter(self.drafter, self.out / "drafter")
+        if lead:
+            save_drafter(self.drafter, self.out / "drafter")
+        barrier()
         return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}

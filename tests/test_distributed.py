@@ -1,0 +1,65 @@
+"""Two gloo processes train exactly like one process with two-step gradient accumulation."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from blockdraft.config import DrafterConfig
+from blockdraft.model import DFlashDrafter
+from blockdraft.train.trainer import TrainConfig, Trainer
+
+
+def build(out, grad_accum):
+    from conftest import tiny_target
+    from test_trainer import tiny_rows
+
+    torch.set_num_threads(1)
+    t = tiny_target("llama", seed=1)
+    with torch.no_grad():
+        t.model.get_output_embeddings().weight.mul_(20)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    cfg = TrainConfig(out=str(out), steps=5, batch_tokens=40, max_anchors=8, eval_every=100, save_every=2,
+                      lr=3e-3, warmup=1, grad_accum=grad_accum, progress=False)
+    return Trainer(t, d, tiny_rows(16), None, cfg)
+
+
+def worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        build(out, grad_accum=1).train()
+    finally:
+        dist.destroy_process_group()
+
+
+def losses(out):
+    return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_two_processes_match_one_process_with_accumulation(tmp_path):
+    one = build(tmp_path / "one", grad_accum=2)
+    one.train()
+    mp.spawn(worker, args=(2, free_port(), tmp_path / "two"), nprocs=2, join=True)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 5
+    assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+    from blockdraft.checkpoint import load_drafter
+
+    w1 = load_drafter(tmp_path / "one" / "drafter").fc.weight
+    w2 = load_drafter(tmp_path / "two" / "drafter").fc.weight
+    torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-6)
