@@ -36,7 +36,7 @@ What the two sides compute (same weights, same inputs, same loss)
   `anchor_block_mask` [Q, T+Q] (which the dense backend rebuilds on every layer call).
 * Both sides then take the final hidden states of the supervised slots only (row-major, so
   padded rows contribute nothing and the slot order is identical), apply the frozen
-  lm_head, `dflash_loss(kind=--loss, gamma=default_gamma(B))` (slot-weighted soft
+  lm_head, `dflash_loss_chunked(kind=--loss, gamma=default_gamma(B))` (slot-weighted soft
   cross-entropy by default, metrics included) and backward() into the drafter.
   The BlockLayout is built inside the timed step on both sides (chunk planning is part of
   the fast path's cost); anchor sampling and the random inputs are set-up, not timed.
@@ -289,7 +289,7 @@ def layout_of(w, side: dict, chunk_blocks: int):
 def train_step(w, side: dict, chunk_blocks: int, loss_kind: str, mem: Memory | None = None,
                keep_hidden: bool = False) -> dict:
     """Forward + backward of one step, timed and (with `mem`) memory-tracked per phase."""
-    from blockdraft.train.loss import default_gamma, dflash_loss
+    from blockdraft.train.loss import default_gamma, dflash_loss_chunked
 
     B = w["cfg"].block_size
     marks = {}
@@ -307,9 +307,9 @@ def train_step(w, side: dict, chunk_blocks: int, loss_kind: str, mem: Memory | N
     if mem is not None:
         marks["peak_drafter_fwd"] = mem.mark()
     hidden.register_hook(on_hidden_grad)
-    draft_logits = w["lm_head"](hidden[side["sup"]])  # [S, V]: supervised slots only
-    loss, _ = dflash_loss(draft_logits, w["target_logits"], side["sup"], gamma=default_gamma(B), kind=loss_kind)
-    del draft_logits
+    # the product's loss path: supervised slots only, [S, V] logits one chunk of slots at a time
+    loss, _ = dflash_loss_chunked(hidden[side["sup"]], w["lm_head"], w["target_logits"], side["sup"],
+                                  gamma=default_gamma(B), kind=loss_kind)
     loss.backward()
     t4 = time.perf_counter()
     if mem is not None:

@@ -193,3 +193,25 @@ def test_overfitting_one_batch_drives_the_loss_down():
         last = train_step(t, d, opt, batch, max_anchors=64, loss="kl")
     assert last["loss"] < 0.3 * first["loss"]
     assert last["tau"] > first["tau"] + 0.5
+
+
+@pytest.mark.parametrize("kind", ["soft", "hard", "kl"])
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 40, 3)])
+def test_chunked_loss_equals_the_plain_loss_and_gradient(kind, vocab):
+    from blockdraft.train.loss import dflash_loss_chunked
+
+    g = torch.Generator().manual_seed(0)
+    sup = torch.rand(6, 5, generator=g) < 0.8
+    sup[:, 0] = False
+    S = int(sup.sum())
+    W = torch.randn(40 if vocab is None else len(vocab), 8, generator=g)
+    tl = torch.randn(S, 40, generator=g) * 3
+    h1 = torch.randn(S, 8, generator=g, requires_grad=True)
+    h2 = h1.detach().clone().requires_grad_(True)
+    l1, m1 = dflash_loss(h1 @ W.T, tl, sup, gamma=2.0, kind=kind, draft_vocab=vocab)
+    l2, m2 = dflash_loss_chunked(h2, lambda h: h @ W.T, tl, sup, gamma=2.0, kind=kind, draft_vocab=vocab, chunk=4)
+    l1.backward()
+    l2.backward()
+    torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-5, atol=1e-7)
+    assert m1["accepted_lengths"] == m2["accepted_lengths"] and m1["slot_accuracy"] == m2["slot_accuracy"]

@@ -53,6 +53,36 @@ def accepted_lengths(match: torch.Tensor) -> torch.Tensor:
     return 1 + match[:, 1:].long().cumprod(dim=1).sum(dim=1)
 
 
+def _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab):
+    """Slot weights [S], the target's argmax [S] (full vocabulary) and the label logits, restricted
+    to the draft vocabulary if any (hard loss: slots whose argmax lies outside get weight 0)."""
+    N, B = supervised.shape
+    w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
+    target_top = target_logits.argmax(-1)
+    if draft_vocab is not None:
+        if kind == "hard":
+            inside = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=w.device)
+            inside[draft_vocab] = True
+            w = w * inside[target_top]
+        target_logits = target_logits[:, draft_vocab]
+    return w, target_top, target_logits
+
+
+def _metrics(loss: torch.Tensor, hit: torch.Tensor, supervised: torch.Tensor) -> dict:
+    """Per-slot accuracy and exact accepted lengths from the per-slot hits [S]."""
+    N, B = supervised.shape
+    with torch.no_grad():
+        match = torch.zeros(N, B, dtype=torch.bool, device=supervised.device)
+        match[supervised] = hit
+        acc_len = accepted_lengths(match)
+        n_sup = supervised.sum(0).clamp(min=1)
+        slot_acc = (match.sum(0).float() / n_sup.float()).tolist()
+        slot_acc = [a if supervised[:, k].any() else math.nan for k, a in enumerate(slot_acc)]
+    return {"loss": float(loss.detach()), "tau": float(acc_len.float().mean()), "accuracy": float(hit.float().mean()),
+            "slot_accuracy": slot_acc, "slot_counts": supervised.sum(0).tolist(),
+            "accepted_lengths": acc_len.tolist(), "supervised_slots": int(supervised.sum()), "blocks": N}
+
+
 def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervised: torch.Tensor, *,
                 gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """draft logits [S, Vd] and target logits [S, V] for the supervised slots of `supervised`
@@ -72,28 +102,41 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervi
     if draft_logits.shape[0] != S or target_logits.shape[0] != S:
         raise ValueError(f"expected logits for {S} supervised slots, got {draft_logits.shape[0]} "
                          f"and {target_logits.shape[0]}")
-    w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
-    target_top = target_logits.argmax(-1)  # [S] in the full vocabulary
+    w, target_top, target_logits = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
     draft_top = draft_logits.argmax(-1)
     if draft_vocab is not None:
         draft_top = draft_vocab[draft_top]
-        if kind == "hard":
-            inside = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=w.device)
-            inside[draft_vocab] = True
-            w = w * inside[target_top]
-        target_logits = target_logits[:, draft_vocab]
     per = slot_losses(draft_logits, target_logits, kind)  # [S]
     loss = (w * per).sum() / w.sum().clamp(min=1e-12)
-    with torch.no_grad():
-        hit = draft_top == target_top  # [S]
-        match = torch.zeros(N, B, dtype=torch.bool, device=supervised.device)
-        match[supervised] = hit
-        acc_len = accepted_lengths(match)
-        n_sup = supervised.sum(0).clamp(min=1)
-        slot_acc = (match.sum(0).float() / n_sup.float()).tolist()
-        slot_acc = [a if supervised[:, k].any() else math.nan for k, a in enumerate(slot_acc)]
-    metrics = {"loss": float(loss.detach()), "tau": float(acc_len.float().mean()),
-               "accuracy": float(hit.float().mean()), "slot_accuracy": slot_acc,
-               "slot_counts": supervised.sum(0).tolist(), "accepted_lengths": acc_len.tolist(),
-               "supervised_slots": S, "blocks": N}
-    return loss, metrics
+    return loss, _metrics(loss, draft_top == target_top, supervised)
+
+
+def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits: torch.Tensor, supervised: torch.Tensor, *,
+                        gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None,
+                        chunk: int = 1024) -> tuple[torch.Tensor, dict]:
+    """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
+    never holding the [S, Vd] draft logits: each chunk of slots is recomputed in backward.
+    Same value and gradient as `dflash_loss(head(hidden), ...)`; peak memory one chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    N, B = supervised.shape
+    S = int(supervised.sum())
+    if S == 0 or hidden.shape[0] != S:
+        return dflash_loss(head(hidden), target_logits, supervised, gamma=gamma, kind=kind, draft_vocab=draft_vocab)
+    w, target_top, target_logits = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
+
+    def part(h, t, wc):
+        logits = head(h)
+        return (wc * slot_losses(logits, t, kind)).sum(), logits.argmax(-1)
+
+    total, tops = hidden.new_zeros(()), []
+    for i in range(0, S, chunk):
+        sl = slice(i, i + chunk)
+        part_sum, top = checkpoint(part, hidden[sl], target_logits[sl], w[sl], use_reentrant=False)
+        total = total + part_sum
+        tops.append(top)
+    loss = total / w.sum().clamp(min=1e-12)
+    draft_top = torch.cat(tops)
+    if draft_vocab is not None:
+        draft_top = draft_vocab[draft_top]
+    return loss, _metrics(loss, draft_top == target_top, supervised)

@@ -16,7 +16,7 @@ import torch
 from ..model.attention import BlockLayout
 from ..model.blocks import block_input_ids, label_positions, supervised_slots
 from .anchors import sample_anchors
-from .loss import default_gamma, dflash_loss
+from .loss import default_gamma, dflash_loss_chunked
 
 
 @dataclass
@@ -152,9 +152,10 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma
     dt = drafter.fc.weight.dtype
     hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout, backend)  # [N, B, Hd]
     rows = drafter.vocab_rows
-    draft_logits = target.head(hidden[p.supervised].to(target.dtype), rows)  # [S, Vd]
     g = default_gamma(drafter.block_size) if gamma is None else gamma
-    return dflash_loss(draft_logits, p.target_logits, p.supervised, gamma=g, kind=loss, draft_vocab=rows)
+    # the [S, Vd] draft logits are made one chunk of slots at a time (and again in backward)
+    return dflash_loss_chunked(hidden[p.supervised], lambda h: target.head(h.to(target.dtype), rows),
+                               p.target_logits, p.supervised, gamma=g, kind=loss, draft_vocab=rows)
 
 
 def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:
