@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--features-cache", default=None, help="train from `blockdraft extract` shards")
     t.add_argument("--init-from-target", action="store_true",
                    help="start the drafter layers from the target's top decoder layers (same shapes)")
+    t.add_argument("--final-norm-init", choices=["small", "target"], default="small",
+                   help="drafter output norm: 0.1 (near-uniform first guesses) or the target's final norm scale")
     t.add_argument("--memo-features", choices=["auto", "on", "off"], default="auto",
                    help="keep the target's outputs in memory after the first epoch (auto: if under 4 GiB)")
     t.add_argument("--gradient-checkpointing", action="store_true")

@@ -113,7 +113,7 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervi
 
 def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits: torch.Tensor, supervised: torch.Tensor, *,
                         gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None,
-                        chunk: int = 1024) -> tuple[torch.Tensor, dict]:
+                        chunk: int = 256) -> tuple[torch.Tensor, dict]:
     """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
     never holding the [S, Vd] draft logits: each chunk of slots is recomputed in backward.
     Same value and gradient as `dflash_loss(head(hidden), ...)`; peak memory one chunk."""

@@ -101,6 +101,16 @@ def run_extract(args) -> str:
     return str(out)
 
 
+@torch.no_grad()
+def init_final_norm_from_target(drafter, target) -> None:
+    """Start the drafter's output scale at the target's own final-norm scale (Gemma norms scale by 1 + w)."""
+    norm = getattr(target._base(), "norm", None)
+    if norm is None or norm.weight.is_meta or norm.weight.shape != drafter.norm.weight.shape:
+        raise ValueError("the target has no final norm of the drafter's width; use --final-norm-init small")
+    w = norm.weight.float()
+    drafter.norm.weight.copy_(1 + w if "Gemma" in type(norm).__name__ else w)
+
+
 def first_rows(rows: dict, max_rows: int) -> dict:
     """The first `max_rows` packed rows (all when max_rows is 0); stored-output indices stay valid."""
     if max_rows and rows["input_ids"].shape[0] > max_rows:
@@ -156,6 +166,8 @@ def run_training(args) -> dict:
         copied = init_from_target_layers(drafter, top)
         print(f"init: copied {len(copied) // max(1, args.draft_layers)} tensors per layer from the target's top "
               f"{args.draft_layers} layer(s)")
+    if getattr(args, "final_norm_init", "small") == "target":
+        init_final_norm_from_target(drafter, target)
     if vocab:
         drafter.set_draft_vocab(frequent_tokens(train_rows, target.vocab_size, vocab))
         ids = train_rows["input_ids"][train_rows["loss_mask"].bool()]
