@@ -63,3 +63,34 @@ def test_two_processes_match_one_process_with_accumulation(tmp_path):
     w1 = load_drafter(tmp_path / "one" / "drafter").fc.weight
     w2 = load_drafter(tmp_path / "two" / "drafter").fc.weight
     torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-6)
+
+
+def extract_worker(rank, world, port, out):
+    from conftest import tiny_target
+    from test_trainer import tiny_rows
+
+    from blockdraft.data.features import extract
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        extract(tiny_target("llama"), tiny_rows(10), out, shard_rows=3, rank=rank, world=world, progress=False)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_extraction_equals_one_process(tmp_path):
+    from conftest import tiny_target
+    from test_trainer import tiny_rows
+
+    from blockdraft.data.features import DiskFeatures, extract
+
+    extract(tiny_target("llama"), tiny_rows(10), tmp_path / "one", shard_rows=3, progress=False)
+    mp.spawn(extract_worker, args=(2, free_port(), tmp_path / "two"), nprocs=2, join=True)
+    a, b = DiskFeatures(tmp_path / "one"), DiskFeatures(tmp_path / "two")
+    idx = torch.arange(10)
+    for x, y in zip(a(idx), b(idx)):
+        assert torch.equal(x, y)
+    assert a.manifest == b.manifest

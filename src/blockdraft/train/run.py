@@ -91,13 +91,16 @@ def cached_rows(args, target) -> tuple[dict, dict | None, object, object]:
 def run_extract(args) -> str:
     from ..data.features import extract
     from ..target import TargetModel
+    from .distributed import barrier, init_from_env
 
+    rank, world_size, device = init_from_env(pick_device(args.device))
     target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
-                                         device=pick_device(args.device))
+                                         device=device)
     args.eval_fraction = 0.0
     rows, _ = conversation_rows(target, args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    out = extract(target, rows, args.out, shard_rows=args.shard_rows, dtype=dtype)
+    out = extract(target, rows, args.out, shard_rows=args.shard_rows, dtype=dtype, rank=rank, world=world_size)
+    barrier()  # the cache is complete once every rank has written its shards
     return str(out)
 
 
