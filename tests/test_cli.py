@@ -1,0 +1,49 @@
+"""The commands a newcomer runs, on the real embedded target (slow) and the bundled data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.cli import main
+from blockdraft.train.run import DEFAULT_DATA_FILE
+
+
+def test_bundled_data_is_present_and_never_an_evaluation_prompt():
+    lines = DEFAULT_DATA_FILE.read_text().splitlines()
+    assert len(lines) >= 300
+    users = [json.loads(ln)["messages"][0]["content"] for ln in lines]
+    assert all(json.loads(ln)["messages"][-1]["role"] == "assistant" for ln in lines)
+    for name in ("mtbench", "gsm8k", "humaneval"):
+        for msgs in load_prompt_set(name):
+            text = msgs[0]["content"]
+            probe = text[:60] if name != "humaneval" else text.split("```python\n")[1][:60]
+            assert not any(probe in u for u in users), (name, probe)
+
+
+def test_unknown_command_and_bad_data_are_clear_errors(tmp_path, capsys):
+    assert main([]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [\n')
+    assert main(["train", "--data", str(bad), "--out", str(tmp_path / "r")]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_generate_doctor_on_the_embedded_target(tmp_path, smollm2_dir, capsys):
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--steps", "3", "--max-rows", "3", "--max-length", "256",
+            "--batch-tokens", "512", "--eval-every", "3", "--eval-fraction", "0.02", "--no-progress", "--threads", "1"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "held-out accepted length" in printed
+    assert (out / "drafter" / "model.safetensors").exists() and (out / "loss.png").exists()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    # resume from the finished checkpoint: nothing left to do, same drafter
+    assert main(args + ["--resume"]) == 0
+    assert main(["generate", "--drafter", str(out / "drafter"), "--chat", "Name a prime number.",
+                 "--max-new-tokens", "8", "--threads", "1"]) == 0
+    assert main(["doctor", "--drafter", str(out / "drafter"), "--threads", "1"]) == 0
+    assert "FAIL" not in capsys.readouterr().out
