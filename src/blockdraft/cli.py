@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=float, default=0.05, help="steps, or a fraction of all steps if < 1")
     t.add_argument("--batch-tokens", type=int, default=2048, help="tokens per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--sliding-window", type=int, default=None,
+                   help="make the first --sliding-layers drafter layers sliding-window layers of this width")
+    t.add_argument("--sliding-layers", type=int, default=1)
+    t.add_argument("--bidirectional-sliding", action="store_true",
+                   help="sliding layers bidirectional inside the block (default: causal, as vLLM serves them)")
     t.add_argument("--draft-vocab", default="auto",
                    help="draft vocabulary size (most frequent training tokens), 'full', or 'auto' (8192 on CPU)")
     t.add_argument("--loss", choices=["kl", "soft", "hard"], default="kl")

@@ -114,6 +114,17 @@ def init_final_norm_from_target(drafter, target) -> None:
     drafter.norm.weight.copy_(1 + w if "Gemma" in type(norm).__name__ else w)
 
 
+def layer_layout(args) -> dict:
+    """layer_types / sliding_window / causal flag from --sliding-window and --sliding-layers."""
+    w = getattr(args, "sliding_window", None)
+    if not w:
+        return {}
+    n = min(max(1, args.sliding_layers), args.draft_layers)
+    types = ["sliding_attention"] * n + ["full_attention"] * (args.draft_layers - n)
+    return {"layer_types": types, "sliding_window": int(w),
+            "sliding_causal_in_block": not getattr(args, "bidirectional_sliding", False)}
+
+
 def first_rows(rows: dict, max_rows: int) -> dict:
     """The first `max_rows` packed rows (all when max_rows is 0); stored-output indices stay valid."""
     if max_rows and rows["input_ids"].shape[0] > max_rows:
@@ -156,7 +167,7 @@ def run_training(args) -> dict:
         vocab = 8192 if device == "cpu" else None  # on CPU the head is most of the drafter's cost
     vocab = None if vocab in (None, "full", "0", 0) else min(int(vocab), target.vocab_size)
     cfg = DrafterConfig.for_target(target, num_layers=args.draft_layers, block_size=args.block_size,
-                                   draft_vocab_size=vocab)
+                                   draft_vocab_size=vocab, **layer_layout(args))
     drafter = DFlashDrafter(cfg)
     if getattr(args, "init_from_target", False):
         if args.features_cache:
