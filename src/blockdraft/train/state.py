@@ -1,4 +1,7 @@
-"""Resumable training state: drafter, optimiser, scheduler position, data order and RNG.
+"""Resumable training state: drafter, optimiser and progress (step, tokens, time).
+
+The data order and each micro-batch's anchors derive from (seed, step), and the learning
+rate from the step, so nothing else needs saving.
 
 Everything is written as safetensors + JSON (no pickle) into one directory, swapped in
 atomically, so a kill at any moment leaves the last complete checkpoint.
@@ -17,7 +20,7 @@ from ..checkpoint.native import atomic_dir, recover_dir
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 
-def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, generator: torch.Generator) -> Path:
+def save_state(directory: str | Path, *, drafter, optimizer, progress: dict) -> Path:
     tensors: dict[str, torch.Tensor] = {f"drafter.{k}": v.detach().clone().contiguous()
                                         for k, v in drafter.state_dict().items()}
     tensors["drafter_feature_scale"] = drafter.feature_scale.detach().clone()
@@ -26,7 +29,6 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, gen
         for name, val in st.items():
             t = val if torch.is_tensor(val) else torch.tensor(val)
             tensors[f"opt.{idx}.{name}"] = t.detach().clone().contiguous()
-    tensors["rng.anchors"] = generator.get_state()
     tensors["rng.torch"] = torch.get_rng_state()
     meta = {"progress": progress, "param_groups": opt["param_groups"],
             "drafter_config": drafter.config.to_dict()}
@@ -38,7 +40,7 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, gen
     return atomic_dir(directory, write)
 
 
-def load_state(directory: str | Path, *, drafter, optimizer, generator: torch.Generator) -> dict:
+def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
     """Restore into existing objects; returns the saved progress dict."""
     path = recover_dir(directory)
     if path is None or not (path / STATE_JSON).exists():
@@ -58,6 +60,5 @@ def load_state(directory: str | Path, *, drafter, optimizer, generator: torch.Ge
             _, idx, name = key.split(".", 2)
             state.setdefault(int(idx), {})[name] = val
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    generator.set_state(tensors["rng.anchors"])
     torch.set_rng_state(tensors["rng.torch"])
     return meta["progress"]

@@ -69,14 +69,9 @@ def rows_batch(rows: dict, idx: torch.Tensor) -> Batch:
                  rows["document_ids"][idx])
 
 
-@torch.no_grad()
-def estimate_feature_scale(target, rows: dict, n_rows: int = 4) -> torch.Tensor:
-    """1 / RMS of every feature dimension over a few rows (outlier dimensions reach RMS ~10^2-10^3)."""
-    b = rows_batch(rows, torch.arange(min(n_rows, rows["input_ids"].shape[0])))
-    feats = target(b.input_ids.to(target.device), position_ids=b.position_ids.to(target.device),
-                   return_logits=False).features.float()
-    rms = feats.pow(2).mean(dim=(0, 1)).sqrt()
-    return 1.0 / rms.clamp(min=1e-2)
+def feature_scale_from(features: torch.Tensor) -> torch.Tensor:
+    """1 / RMS of every feature dimension (the target's outlier dimensions reach RMS ~10^2-10^3)."""
+    return 1.0 / features.float().pow(2).mean(dim=(0, 1)).sqrt().clamp(min=1e-2)
 
 
 @torch.no_grad()
@@ -127,15 +122,19 @@ class Trainer:
         self.total = cfg.steps or max(1, int(round(cfg.epochs * self.steps_per_epoch)))
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-        self.gen = torch.Generator().manual_seed(cfg.seed)
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
 
-    def feature_scale(self) -> torch.Tensor:
-        if self.train_features is None:
-            return estimate_feature_scale(self.target, self.train_rows)
-        feats = self.train_features(torch.arange(min(4, self.train_rows["input_ids"].shape[0])))[0].float()
-        return 1.0 / feats.pow(2).mean(dim=(0, 1)).sqrt().clamp(min=1e-2)
+    @torch.no_grad()
+    def feature_scale(self, n_rows: int = 4) -> torch.Tensor:
+        """The per-dimension feature scale, from the first few training rows."""
+        idx = torch.arange(min(n_rows, self.train_rows["input_ids"].shape[0]))
+        if self.train_features is not None:
+            return feature_scale_from(self.train_features(idx)[0])
+        b = rows_batch(self.train_rows, idx)
+        dev = self.target.device
+        return feature_scale_from(self.target(b.input_ids.to(dev), position_ids=b.position_ids.to(dev),
+                                              return_logits=False).features)
 
     # ----------------------------------------------------------------- data order
     def global_micro(self, step: int, micro: int) -> int:
@@ -165,13 +164,12 @@ class Trainer:
         if self.rank != 0:  # written once, atomically, by rank 0
             barrier()
             return
-        save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress,
-                   generator=self.gen)
+        save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress)
         barrier()
 
     def resume(self) -> None:
         barrier()  # every rank reads the checkpoint rank 0 finished writing
-        self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, generator=self.gen)
+        self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt)
         self._truncate_metrics(self.progress["step"])
 
     def _truncate_metrics(self, step: int) -> None:
