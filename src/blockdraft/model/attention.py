@@ -77,12 +77,10 @@ def anchor_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Te
 
 
 def _sdpa(q, k, v, mask, scale):
-    """q [Hq, Q, D], k/v [Hkv, K, D], mask [Q, K] -> [Hq, Q, D]."""
-    rep = q.shape[0] // k.shape[0]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=0)
-        v = v.repeat_interleave(rep, dim=0)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None], scale=scale)[0]
+    """q [Hq, Q, D], k/v [Hkv, K, D], mask [Q, K] -> [Hq, Q, D]. Grouped heads share K/V without copies."""
+    gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None], scale=scale,
+                                          enable_gqa=gqa)[0]
 
 
 def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):

@@ -155,12 +155,9 @@ class DFlashDrafter(nn.Module):
                 C = k_ctx.shape[0]
                 mask = torch.ones(B, C + B, dtype=torch.bool, device=h.device)
                 mask[:, C:] = torch.tril(mask[:, C:])
-            rep = at.hq // at.hkv
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
-                scale=at.scale)[0]  # [Hq, B, D]
+                scale=at.scale, enable_gqa=at.hq != at.hkv)[0]  # [Hq, B, D]
             h = h + at.o_proj(out.transpose(0, 1).flatten(-2))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
