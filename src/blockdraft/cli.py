@@ -132,10 +132,7 @@ def cmd_doctor(args) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
-    sub = p.add_subparsers(dest="cmd")
-
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a drafter (defaults: embedded SmolLM2 target, bundled data)")
     t.add_argument("--target", default="smollm2", help="embedded name, local transformers dir or .gguf")
     t.add_argument("--data", default=DEFAULT_DATA, help="conversations (JSONL/JSON/parquet) or 'default'")
@@ -150,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-rows", type=int, default=64,
                    help="train on at most this many packed rows (default keeps a 2-core CPU run under 15 "
                         "minutes; 0 = all)")
+    _add_train_schedule(t)
+    t.set_defaults(fn=cmd_train)
+
+
+def _add_train_schedule(t) -> None:
+    """Optimisation, evaluation and run-control flags of `train`."""
     t.add_argument("--epochs", type=float, default=3.0)
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     t.add_argument("--lr", type=float, default=6e-4)
@@ -182,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--no-progress", action="store_true")
-    t.set_defaults(fn=cmd_train)
 
+
+def _add_regenerate(sub) -> None:
     r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set")
     r.add_argument("--target", default="smollm2")
     r.add_argument("--prompts", default="default", help="conversations file, or 'default' (built-in prompt mix)")
@@ -196,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None)
     r.add_argument("--threads", type=int, default=None)
     r.set_defaults(fn=cmd_regenerate)
+
+
+def _add_extract(sub) -> None:
     x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)")
     x.add_argument("--target", default="smollm2")
     x.add_argument("--data", default=DEFAULT_DATA)
@@ -211,12 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--threads", type=int, default=None)
     x.set_defaults(fn=cmd_extract)
 
+
+def _add_convert(sub) -> None:
     c = sub.add_parser("convert", help="rewrite a drafter checkpoint in the z-lab or speculators format")
     c.add_argument("--to", choices=["zlab", "speculators"], required=True)
     c.add_argument("src")
     c.add_argument("dst")
     c.set_defaults(fn=cmd_convert)
 
+
+def _add_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint")
     d.add_argument("--target", default="smollm2")
     d.add_argument("--drafter", default="default")
@@ -226,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(fn=cmd_doctor)
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s")
     g.add_argument("prompt")
     g.add_argument("--target", default="smollm2")
@@ -240,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval")
     b.add_argument("--target", default="smollm2")
     b.add_argument("--drafter", default="default")
@@ -253,6 +268,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(fn=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
+    sub = p.add_subparsers(dest="cmd")
+    _add_train(sub)
+    _add_regenerate(sub)
+    _add_extract(sub)
+    _add_convert(sub)
+    _add_doctor(sub)
+    _add_generate(sub)
+    _add_bench(sub)
     return p
 
 

@@ -134,34 +134,10 @@ def first_rows(rows: dict, max_rows: int) -> dict:
     return rows
 
 
-def run_training(args) -> dict:
-    from ..checkpoint.native import load_drafter
-    from ..data.features import FeatureMemo, memo_bytes
+def build_drafter(args, target, train_rows: dict, device: str):
+    """The drafter the flags describe: layers, sliding windows, draft vocabulary, initialisation."""
     from ..model import DFlashDrafter, DrafterConfig
-    from ..target import TargetModel
-    from .plots import plot_run
-    from .trainer import TrainConfig, Trainer
 
-    from .distributed import init_from_env
-
-    torch.manual_seed(args.seed)  # the same initial drafter on every rank
-    rank, world_size, device = init_from_env(pick_device(args.device))
-    feats: dict = {}
-    if args.features_cache:  # the target never runs: only its embedding and head are loaded
-        target = TargetModel.head_only(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
-                                       device=device)
-        train_rows, eval_rows, tf, ef = cached_rows(args, target)
-        train_rows = first_rows(train_rows, args.max_rows)
-        feats = {"train_features": tf, "eval_features": ef}
-    else:
-        target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
-                                             device=device)
-        train_rows, eval_rows = conversation_rows(target, args)
-        train_rows = first_rows(train_rows, args.max_rows)
-        if args.memo_features == "on" or (args.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
-            # compute the target's outputs once, reuse them every epoch
-            feats = {"train_features": FeatureMemo(target, train_rows),
-                     "eval_features": FeatureMemo(target, eval_rows) if eval_rows is not None else None}
     vocab = args.draft_vocab
     if vocab == "auto":
         vocab = 8192 if device == "cpu" else None  # on CPU the head is most of the drafter's cost
@@ -187,7 +163,37 @@ def run_training(args) -> dict:
         ids = train_rows["input_ids"][train_rows["loss_mask"].bool()]
         cover = torch.isin(ids, drafter.draft_vocab).float().mean().item()
         print(f"draft vocabulary: {vocab} ids cover {100 * cover:.1f}% of the training tokens")
-    drafter = drafter.to(device)
+    return drafter.to(device)
+
+
+def run_training(args) -> dict:
+    from ..checkpoint.native import load_drafter
+    from ..data.features import FeatureMemo, memo_bytes
+    from ..target import TargetModel
+    from .plots import plot_run
+    from .trainer import TrainConfig, Trainer
+
+    from .distributed import init_from_env
+
+    torch.manual_seed(args.seed)  # the same initial drafter on every rank
+    rank, world_size, device = init_from_env(pick_device(args.device))
+    feats: dict = {}
+    if args.features_cache:  # the target never runs: only its embedding and head are loaded
+        target = TargetModel.head_only(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
+                                       device=device)
+        train_rows, eval_rows, tf, ef = cached_rows(args, target)
+        train_rows = first_rows(train_rows, args.max_rows)
+        feats = {"train_features": tf, "eval_features": ef}
+    else:
+        target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
+                                             device=device)
+        train_rows, eval_rows = conversation_rows(target, args)
+        train_rows = first_rows(train_rows, args.max_rows)
+        if args.memo_features == "on" or (args.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
+            # compute the target's outputs once, reuse them every epoch
+            feats = {"train_features": FeatureMemo(target, train_rows),
+                     "eval_features": FeatureMemo(target, eval_rows) if eval_rows is not None else None}
+    drafter = build_drafter(args, target, train_rows, device)
     tc = TrainConfig(out=args.out, steps=args.steps, epochs=args.epochs, lr=args.lr, warmup=args.warmup,
                      grad_accum=args.grad_accum, batch_tokens=args.batch_tokens, max_anchors=args.max_anchors,
                      loss=args.loss, gamma=args.gamma, seed=args.seed, eval_every=args.eval_every,
