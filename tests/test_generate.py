@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -154,3 +155,38 @@ def test_bad_requests():
     other = tiny_target("llama", layer_ids=[0, 2, 4])
     with pytest.raises(ValueError, match="feature layers"):
         speculative_generate(other, d, ids, max_new_tokens=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_identity_on_smollm2(smollm2_dir, block_size):
+    from blockdraft.bench.prompts import encode
+    from blockdraft.target import TargetModel
+
+    t = TargetModel.from_pretrained("smollm2")
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=16))
+    ids = encode(t.tokenizer, [{"role": "user", "content": "Write a haiku about speculative decoding."}])
+    ref = t.model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=t.tokenizer.pad_token_id)
+    from blockdraft.bench.runner import stop_ids
+
+    got = speculative_generate(t, d, ids, max_new_tokens=40, block_size=block_size, stop_token_ids=stop_ids(t.tokenizer))
+    assert got.tokens == ref[0, ids.shape[1]:].tolist()  # generate stops at <|im_end|> too
+
+
+@pytest.mark.slow
+def test_bench_reports_identical_outputs(smollm2_dir, tmp_path):
+    from blockdraft.bench.runner import run_bench
+    from blockdraft.target import TargetModel
+
+    t = TargetModel.from_pretrained("smollm2")
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=8, draft_vocab_size=2048))
+    res = run_bench(t, d, ["gsm8k"], 1, max_new_tokens=12, json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png",
+                    progress=False)
+    row = json.loads((tmp_path / "b.json").read_text())[0]
+    for key in ("set", "n_prompts", "block_size", "tau", "target_tok_s", "spec_tok_s", "speedup", "identical",
+                "lookup_speedup"):
+        assert key in row
+    assert row["identical"] is True and row["n_prompts"] == 1 and res[0]["tau"] >= 1.0
+    assert (tmp_path / "b.png").stat().st_size > 0
