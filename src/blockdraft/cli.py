@@ -159,8 +159,9 @@ def _add_train_schedule(t) -> None:
     t.add_argument("--warmup", type=float, default=0.05, help="steps, or a fraction of all steps if < 1")
     t.add_argument("--batch-tokens", type=int, default=2048, help="tokens per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--sliding-window", type=int, default=None,
-                   help="make the first --sliding-layers drafter layers sliding-window layers of this width")
+    t.add_argument("--sliding-window", type=int, default=32,
+                   help="make the first --sliding-layers drafter layers sliding-window layers of this width "
+                        "(0: full attention only)")
     t.add_argument("--sliding-layers", type=int, default=1)
     t.add_argument("--bidirectional-sliding", action="store_true",
                    help="sliding layers bidirectional inside the block (default: causal, as vLLM serves them)")
@@ -174,9 +175,9 @@ def _add_train_schedule(t) -> None:
     t.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--features-cache", default=None, help="train from `blockdraft extract` shards")
-    t.add_argument("--init-from-target", action="store_true",
+    t.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
                    help="start the drafter layers from the target's top decoder layers (same shapes)")
-    t.add_argument("--final-norm-init", choices=["small", "target"], default="small",
+    t.add_argument("--final-norm-init", choices=["small", "target"], default="target",
                    help="drafter output norm: 0.1 (near-uniform first guesses) or the target's final norm scale")
     t.add_argument("--memo-features", choices=["auto", "on", "off"], default="auto",
                    help="keep the target's outputs in memory after the first epoch (auto: if under 4 GiB)")

@@ -145,9 +145,10 @@ def build_drafter(args, target, train_rows: dict, device: str):
     cfg = DrafterConfig.for_target(target, num_layers=args.draft_layers, block_size=args.block_size,
                                    draft_vocab_size=vocab, **layer_layout(args))
     drafter = DFlashDrafter(cfg)
-    if getattr(args, "init_from_target", False):
-        if args.features_cache:
-            raise ValueError("--init-from-target needs the whole target; it cannot be combined with --features-cache")
+    head_only = getattr(target, "head_only_loaded", False)
+    if head_only and (getattr(args, "init_from_target", False) or getattr(args, "final_norm_init", "") == "target"):
+        print("init: training from a feature cache loads no target layers; the drafter starts from scratch")
+    elif getattr(args, "init_from_target", False):
         from ..model.drafter import init_from_target_layers
         from ..target import find_decoder_layers
 
@@ -156,7 +157,7 @@ def build_drafter(args, target, train_rows: dict, device: str):
         copied = init_from_target_layers(drafter, top)
         print(f"init: copied {len(copied) // max(1, args.draft_layers)} tensors per layer from the target's top "
               f"{args.draft_layers} layer(s)")
-    if getattr(args, "final_norm_init", "small") == "target":
+    if getattr(args, "final_norm_init", "small") == "target" and not head_only:
         init_final_norm_from_target(drafter, target)
     if vocab:
         drafter.set_draft_vocab(frequent_tokens(train_rows, target.vocab_size, vocab))
