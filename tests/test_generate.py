@@ -190,3 +190,28 @@ def test_bench_reports_identical_outputs(smollm2_dir, tmp_path):
         assert key in row
     assert row["identical"] is True and row["n_prompts"] == 1 and res[0]["tau"] >= 1.0
     assert (tmp_path / "b.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_default_drafter_loads_and_is_lossless(smollm2_dir):
+    from blockdraft.bench.prompts import encode
+    from blockdraft.bench.runner import stop_ids
+    from blockdraft.checkpoint import load_drafter
+    from blockdraft.generate.baseline import target_greedy
+    from blockdraft.target import TargetModel
+
+    d = load_drafter("default")
+    t = TargetModel.from_pretrained("smollm2", layer_ids=d.config.target_layer_ids)
+    ids = encode(t.tokenizer, [{"role": "user", "content": "Write a Python function that reverses a string."}])
+    ref = target_greedy(t, ids, max_new_tokens=48, stop_token_ids=stop_ids(t.tokenizer))
+    got = speculative_generate(t, d, ids, max_new_tokens=48, stop_token_ids=stop_ids(t.tokenizer))
+    assert got.tokens == ref.tokens
+    assert got.tau > 1.0  # a trained drafter gets some drafts accepted
+
+
+def test_baseline_greedy_equals_transformers_generate():
+    from blockdraft.generate.baseline import target_greedy
+
+    t, _ = pair("gemma3", 4)
+    ids = torch.randint(0, V - 1, (1, 9))
+    assert target_greedy(t, ids, max_new_tokens=30).tokens == reference(t, ids, 30)
