@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -346,7 +345,3 @@ class TargetModel(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-
-def warn_once(msg: str) -> None:
-    warnings.warn(msg, stacklevel=2)
