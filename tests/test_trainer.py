@@ -223,3 +223,48 @@ def test_imports_a_published_zlab_directory(tmp_path):
     ids = torch.randint(0, V - 1, (1, 8))
     ref = t.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 8:].tolist()
     assert speculative_generate(t, d, ids, max_new_tokens=12).tokens == ref
+
+
+def test_imports_a_published_speculators_directory(tmp_path):
+    """vLLM's speculators layout: ids one higher, the layer config nested, no target layer count."""
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    save_drafter(d, tmp_path / "native")
+    cfg = d.config
+    published = {
+        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+        "aux_hidden_state_layer_ids": [i + 1 for i in t.layer_ids], "block_size": 4,
+        "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.vocab_size,
+        "target_hidden_size": cfg.target_hidden_size, "sample_from_anchor": False, "sliding_window_non_causal": True,
+        "transformer_layer_config": {"model_type": "qwen3", "hidden_size": cfg.hidden_size, "num_hidden_layers": 1,
+                                     "num_attention_heads": cfg.num_attention_heads,
+                                     "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                                     "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+                                     "rope_theta": cfg.rope_theta, "max_position_embeddings": 512,
+                                     "vocab_size": cfg.vocab_size, "hidden_act": "silu", "attention_bias": False},
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "some/target", "architectures": ["Qwen3ForCausalLM"]}},
+    }
+    (tmp_path / "pub").mkdir()
+    (tmp_path / "pub" / "config.json").write_text(json.dumps(published))
+    (tmp_path / "pub" / "model.safetensors").write_bytes((tmp_path / "native" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="num_target_layers"):
+        load_drafter(tmp_path / "pub")
+    back = load_drafter(tmp_path / "pub", num_target_layers=t.num_layers)
+    assert back.config.target_layer_ids == t.layer_ids and back.config.block_size == 4
+    from blockdraft.generate import speculative_generate
+
+    ids = torch.randint(0, V - 1, (1, 8))
+    ref = t.model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 8:].tolist()
+    assert speculative_generate(t, back, ids, max_new_tokens=10).tokens == ref
+
+
+def test_converting_a_draft_vocabulary_warns(tmp_path):
+    from blockdraft.checkpoint.native import convert
+
+    t = tiny_target("llama")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=40))
+    save_drafter(d, tmp_path / "d")
+    with pytest.warns(UserWarning, match="full head"):
+        convert(tmp_path / "d", tmp_path / "s", "speculators")

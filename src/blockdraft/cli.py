@@ -54,8 +54,10 @@ def _load_pair(args):
     from .target import TargetModel
     from .train.run import pick_device
 
+    from .target import target_num_layers
+
     device = pick_device(args.device)
-    drafter = load_drafter(args.drafter, device=device)
+    drafter = load_drafter(args.drafter, device=device, num_target_layers=target_num_layers(args.target))
     target = TargetModel.from_pretrained(args.target, layer_ids=drafter.config.target_layer_ids, device=device)
     return target, drafter
 

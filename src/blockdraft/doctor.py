@@ -203,10 +203,10 @@ def report(checks: list[Check], as_json: bool = False) -> str:
 def doctor_main(target_name: str, drafter_path: str, data: str | None, device: str | None) -> list[Check]:
     """Load what can be loaded; a checkpoint or target that does not load is itself a FAIL."""
     from .checkpoint import load_drafter
-    from .target import TargetModel
+    from .target import TargetModel, target_num_layers
 
     try:
-        drafter = load_drafter(drafter_path, device=device)
+        drafter = load_drafter(drafter_path, device=device, num_target_layers=target_num_layers(target_name))
     except ValueError as e:
         return [Check("checkpoint", FAIL, str(e), "re-export the checkpoint (config.json + model.safetensors)")]
     try:

@@ -103,6 +103,15 @@ def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
     return p, p.name
 
 
+def target_num_layers(name_or_path: str | os.PathLike) -> int:
+    """The target's decoder layer count from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    local, _ = resolve_target(name_or_path)
+    cfg = AutoConfig.from_pretrained(local)
+    return int((getattr(cfg, "text_config", None) or cfg).num_hidden_layers)
+
+
 def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     """The ModuleList of decoder layers (Llama/Qwen/Mistral/Gemma: `*.layers`)."""
     for name, mod in model.named_modules():

@@ -41,6 +41,7 @@ def _qwen3(cfg: DrafterConfig) -> dict:
 
 
 def to_zlab(cfg: DrafterConfig) -> dict:
+    """z-lab config; a draft vocabulary survives only under the `blockdraft` key (see `convert`)."""
     d = {"architectures": ["DFlashDraftModel"], **_qwen3(cfg), **_zlab_causal(cfg),
          "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
          "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
@@ -101,7 +102,7 @@ def to_speculators(cfg: DrafterConfig, verifier: str | None = None, verifier_arc
     }
 
 
-def from_speculators(d: dict) -> DrafterConfig:
+def from_speculators(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
     if d.get("speculators_model_type") != "dflash":
         raise ValueError("not a speculators DFlash config (speculators_model_type != 'dflash')")
     q = d.get("transformer_layer_config") or {}
@@ -110,9 +111,11 @@ def from_speculators(d: dict) -> DrafterConfig:
     B = int(d.get("block_size", spec_tokens + 1))
     if B != spec_tokens + 1:
         raise ValueError(f"block_size {B} disagrees with speculative_tokens {spec_tokens} (must be B - 1)")
-    n_layers = d.get("num_target_layers") or (d.get("blockdraft") or {}).get("target_num_layers")
+    n_layers = d.get("num_target_layers") or num_target_layers
     if n_layers is None:
-        raise ValueError("speculators config lacks num_target_layers; pass the target to infer it")
+        raise ValueError("this speculators config does not say how many layers its target has "
+                         "(num_target_layers); load it together with its target (load_drafter(..., "
+                         "num_target_layers=n) or the CLI's --target)")
     return DrafterConfig(target_num_layers=int(n_layers),
                          target_layer_ids=[layer_id_from_hidden_states_index(i) for i in d["aux_hidden_state_layer_ids"]],
                          mask_token_id=int(d["mask_token_id"]), block_size=B, **kw,
@@ -130,10 +133,10 @@ def detect(d: dict[str, Any]) -> str:
     raise ValueError("unknown drafter config: neither z-lab (dflash_config) nor speculators (speculators_model_type)")
 
 
-def config_from_json(d: dict) -> DrafterConfig:
+def config_from_json(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
     kind = detect(d)
     if kind == "speculators":
-        return from_speculators(d)
+        return from_speculators(d, num_target_layers)
     if kind == "zlab":
         return from_zlab(d)
     return DrafterConfig.from_dict(d)

@@ -78,11 +78,12 @@ def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
     return path
 
 
-def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None,
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """Read a drafter directory (JSON + safetensors only). Missing or unknown weights are an error."""
+def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dtype: torch.dtype = torch.float32,
+                 num_target_layers: int | None = None) -> DFlashDrafter:
+    """Read a drafter directory (JSON + safetensors only). Missing or unknown weights are an error.
+    `num_target_layers` fills in what published speculators configs leave out."""
     path = resolve_drafter(dir_or_name)
-    cfg = config_from_json(json.loads((path / CONFIG).read_text()))
+    cfg = config_from_json(json.loads((path / CONFIG).read_text()), num_target_layers)
     drafter = DFlashDrafter(cfg)
     sd = load_file(str(path / WEIGHTS))
     expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb")}
@@ -101,6 +102,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> Path:
     path = resolve_drafter(src)
     raw = json.loads((path / CONFIG).read_text())
     cfg = config_from_json(raw)
+    if cfg.draft_vocab_size and to in ("zlab", "speculators"):
+        import warnings
+
+        warnings.warn(f"this drafter scores a {cfg.draft_vocab_size}-token draft vocabulary; engines reading the "
+                      f"{to} format score the full head: output stays lossless, acceptance may differ",
+                      stacklevel=2)
     if to == "zlab":
         out = to_zlab(cfg)
     elif to == "speculators":
