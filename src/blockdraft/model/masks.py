@@ -42,12 +42,13 @@ def anchor_block_mask(document_ids: torch.Tensor, anchor_positions: torch.Tensor
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """[T] index of the first position of each position's document (documents are contiguous)."""
-    T = document_ids.shape[0]
-    idx = torch.arange(T, device=document_ids.device)
-    new = torch.ones(T, dtype=torch.bool, device=document_ids.device)
-    new[1:] = document_ids[1:] != document_ids[:-1]
-    return torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=0).values
+    """[..., T] index of the first position of each position's document (documents are contiguous
+    runs along the last dimension)."""
+    T = document_ids.shape[-1]
+    idx = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    new = torch.ones_like(document_ids, dtype=torch.bool)
+    new[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    return torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=-1).values
 
 
 def visible(q_block: torch.Tensor, q_slot: torch.Tensor, k_idx: torch.Tensor, *, anchors: torch.Tensor,

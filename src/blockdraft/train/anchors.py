@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..model.blocks import supervised_slots
+from ..model.masks import document_starts
 
 
 def eligible_anchors(document_ids: torch.Tensor, loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -40,11 +41,7 @@ def sample_anchors(document_ids: torch.Tensor, loss_mask: torch.Tensor, block_si
     shuffled_docs = docs[perm]
     order = torch.argsort(shuffled_docs, stable=True)  # group by document, random order inside
     grouped_docs = shuffled_docs[order]
-    first = torch.ones_like(grouped_docs, dtype=torch.bool)
-    first[1:] = grouped_docs[1:] != grouped_docs[:-1]
-    idx = torch.arange(grouped_docs.numel())
-    group_start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=0).values
-    rank = idx - group_start  # rank inside its document
+    rank = torch.arange(grouped_docs.numel()) - document_starts(grouped_docs)  # rank inside its document
     # ties in rank are broken randomly so no document is favoured at the cut
     tie = torch.rand(rank.numel(), generator=generator)
     pick = torch.argsort(rank.double() + tie.double() * 0.5)[:max_anchors]

@@ -15,6 +15,7 @@ import torch
 
 from ..model.attention import BlockLayout
 from ..model.blocks import block_input_ids, label_positions, supervised_slots
+from ..model.masks import document_starts
 from .anchors import sample_anchors
 from .loss import default_gamma, dflash_loss_chunked
 
@@ -55,12 +56,7 @@ def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
     """[Bz, T]: positions restarting at 0 at each document change."""
-    T = document_ids.shape[1]
-    idx = torch.arange(T, device=document_ids.device).expand_as(document_ids)
-    new = torch.ones_like(document_ids, dtype=torch.bool)
-    new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start = torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=1).values
-    return idx - start
+    return torch.arange(document_ids.shape[1], device=document_ids.device) - document_starts(document_ids)
 
 
 @dataclass
