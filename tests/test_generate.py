@@ -168,7 +168,7 @@ def test_greedy_identity_on_smollm2(smollm2_dir, block_size):
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=16))
     ids = encode(t.tokenizer, [{"role": "user", "content": "Write a haiku about speculative decoding."}])
     ref = t.model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=t.tokenizer.pad_token_id)
-    from blockdraft.bench.runner import stop_ids
+    from blockdraft.target import stop_token_ids as stop_ids
 
     got = speculative_generate(t, d, ids, max_new_tokens=40, block_size=block_size, stop_token_ids=stop_ids(t.tokenizer))
     assert got.tokens == ref[0, ids.shape[1]:].tolist()  # generate stops at <|im_end|> too
@@ -195,7 +195,7 @@ def test_bench_reports_identical_outputs(smollm2_dir, tmp_path):
 @pytest.mark.slow
 def test_the_default_drafter_loads_and_is_lossless(smollm2_dir):
     from blockdraft.bench.prompts import encode
-    from blockdraft.bench.runner import stop_ids
+    from blockdraft.target import stop_token_ids as stop_ids
     from blockdraft.checkpoint import load_drafter
     from blockdraft.generate.baseline import target_greedy
     from blockdraft.target import TargetModel

@@ -64,7 +64,7 @@ def _load_pair(args):
 
 def cmd_generate(args) -> int:
     from .bench.prompts import encode
-    from .bench.runner import stop_ids
+    from .target import stop_token_ids
     from .generate import speculative_generate
 
     _threads(args)
@@ -86,7 +86,7 @@ def cmd_generate(args) -> int:
 
     res = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_p=args.top_p, block_size=args.block_size,
-                               stop_token_ids=stop_ids(tok), seed=args.seed, on_tokens=stream)
+                               stop_token_ids=stop_token_ids(tok), seed=args.seed, on_tokens=stream)
     dt = res.time_total - res.time_prefill
     print(f"\n\n[tau {res.tau:.2f} | {len(res.tokens)} tokens | {(len(res.tokens) - 1) / max(dt, 1e-9):.1f} tok/s "
           f"after a {res.time_prefill:.2f}s prefill]", file=sys.stderr)

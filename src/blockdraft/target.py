@@ -157,6 +157,16 @@ def pick_mask_token(tokenizer, vocab_size: int) -> int:
     raise ValueError("no unused token for MASK in this tokenizer; pass mask_token_id= explicitly")
 
 
+def stop_token_ids(tokenizer) -> list[int]:
+    """Tokens that end an assistant turn: eos and the chat templates' end-of-turn markers."""
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if i is not None)
+
+
 def _special_ids(tokenizer) -> set[int]:
     ids = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id}
     return {int(i) for i in ids if i is not None}

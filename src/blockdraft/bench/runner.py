@@ -15,16 +15,8 @@ import torch
 
 from ..generate.baseline import target_greedy
 from ..generate.speculative import speculative_generate
+from ..target import stop_token_ids
 from .prompts import encode, load_prompt_set
-
-
-def stop_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
-        i = tokenizer.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    return sorted(i for i in ids if i is not None)
 
 
 @torch.no_grad()
@@ -41,7 +33,7 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
     from tqdm.auto import tqdm
 
     prompts = load_prompt_set(name, n)
-    stops = stop_ids(target.tokenizer)
+    stops = stop_token_ids(target.tokenizer)
     agg = Counter()
     hist: Counter = Counter()
     identical = True

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..target import stop_token_ids
+
 
 def done_ids(path: Path) -> set:
     """Ids already regenerated; truncates a torn last line left by a kill."""
@@ -54,8 +56,7 @@ def regenerate(model, tokenizer, prompts: list[tuple[str, list[dict]]], out: str
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop = sorted({t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-                   if isinstance(t, int) and t >= 0 and t != tokenizer.unk_token_id})
+    stop = stop_token_ids(tokenizer)
     written = 0
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate", disable=not progress)
     try:
