@@ -134,9 +134,16 @@ def cmd_doctor(args) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
+def _target_args(p) -> None:
+    """--target, --device, --threads: every command that runs the target."""
+    p.add_argument("--target", default="smollm2", help="embedded name, local transformers dir or .gguf")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (one per process on a busy machine)")
+
+
 def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a drafter (defaults: embedded SmolLM2 target, bundled data)")
-    t.add_argument("--target", default="smollm2", help="embedded name, local transformers dir or .gguf")
+    _target_args(t)
     t.add_argument("--data", default=DEFAULT_DATA, help="conversations (JSONL/JSON/parquet) or 'default'")
     t.add_argument("--eval-data", default=None, help="held-out conversations (default: a split of --data)")
     t.add_argument("--out", default="runs/default")
@@ -185,14 +192,12 @@ def _add_train_schedule(t) -> None:
                    help="keep the target's outputs in memory after the first epoch (auto: if under 4 GiB)")
     t.add_argument("--gradient-checkpointing", action="store_true")
     t.add_argument("--skip-bad-lines", action="store_true")
-    t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    t.add_argument("--threads", type=int, default=None)
     t.add_argument("--no-progress", action="store_true")
 
 
 def _add_regenerate(sub) -> None:
     r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set")
-    r.add_argument("--target", default="smollm2")
+    _target_args(r)
     r.add_argument("--prompts", default="default", help="conversations file, or 'default' (built-in prompt mix)")
     r.add_argument("--out", required=True)
     r.add_argument("--n", type=int, default=800)
@@ -200,14 +205,12 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--batch-size", type=int, default=8)
     r.add_argument("--skip-bad-lines", action="store_true")
-    r.add_argument("--device", default=None)
-    r.add_argument("--threads", type=int, default=None)
     r.set_defaults(fn=cmd_regenerate)
 
 
 def _add_extract(sub) -> None:
     x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)")
-    x.add_argument("--target", default="smollm2")
+    _target_args(x)
     x.add_argument("--data", default=DEFAULT_DATA)
     x.add_argument("--out", required=True)
     x.add_argument("--max-length", type=int, default=1024)
@@ -217,8 +220,6 @@ def _add_extract(sub) -> None:
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     x.add_argument("--seed", type=int, default=0)
     x.add_argument("--skip-bad-lines", action="store_true")
-    x.add_argument("--device", default=None)
-    x.add_argument("--threads", type=int, default=None)
     x.set_defaults(fn=cmd_extract)
 
 
@@ -232,19 +233,17 @@ def _add_convert(sub) -> None:
 
 def _add_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint")
-    d.add_argument("--target", default="smollm2")
+    _target_args(d)
     d.add_argument("--drafter", default="default")
     d.add_argument("--data", default=None, help="conversations to check the loss masks on")
     d.add_argument("--json", action="store_true")
-    d.add_argument("--device", default=None)
-    d.add_argument("--threads", type=int, default=None)
     d.set_defaults(fn=cmd_doctor)
 
 
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s")
+    _target_args(g)
     g.add_argument("prompt")
-    g.add_argument("--target", default="smollm2")
     g.add_argument("--drafter", default="default", help="drafter directory, or 'default'")
     g.add_argument("--chat", action="store_true", help="apply the chat template")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -252,14 +251,12 @@ def _add_generate(sub) -> None:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--device", default=None)
-    g.add_argument("--threads", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
 
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval")
-    b.add_argument("--target", default="smollm2")
+    _target_args(b)
     b.add_argument("--drafter", default="default")
     b.add_argument("--sets", default="mtbench,gsm8k,humaneval")
     b.add_argument("--n", type=int, default=20)
@@ -267,8 +264,6 @@ def _add_bench(sub) -> None:
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--json", default=None)
     b.add_argument("--plot", default=None)
-    b.add_argument("--device", default=None)
-    b.add_argument("--threads", type=int, default=None)
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(fn=cmd_bench)
 
