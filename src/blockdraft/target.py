@@ -195,6 +195,7 @@ class TargetModel(nn.Module):
         self.mask_token_id = self.check_mask_token(mask_token_id)
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
+        self._cache_name: str | None = None
         for lid in self.layer_ids:
             self._layers[lid].register_forward_hook(self._make_hook(lid))
 
@@ -319,10 +320,13 @@ class TargetModel(nn.Module):
         return TargetOutput(features=feats, logits=logits, final_hidden=final)
 
     def _cache_kwarg(self) -> str:
-        import inspect
+        """`cache` in recent transformers, `past_key_values` before; looked up once (verify is a hot path)."""
+        if self._cache_name is None:
+            import inspect
 
-        params = inspect.signature(self.model.forward).parameters
-        return "cache" if "cache" in params else "past_key_values"
+            params = inspect.signature(self.model.forward).parameters
+            self._cache_name = "cache" if "cache" in params else "past_key_values"
+        return self._cache_name
 
     def new_cache(self):
         """An empty KV cache that can be cropped back after a rejected draft."""
