@@ -123,6 +123,7 @@ class Trainer:
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
+        self._order: tuple[int, torch.Tensor | None] = (-1, None)
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
 
     @torch.no_grad()
@@ -151,9 +152,15 @@ class Trainer:
         R = self.train_rows["input_ids"].shape[0]
         k = self.global_micro(step, micro) * self.rows_per_batch
         epoch, start = divmod(k, R)
-        perm = torch.randperm(R, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
-        idx = perm[start:start + self.rows_per_batch]
-        return idx
+        return self.epoch_order(epoch)[start:start + self.rows_per_batch]
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The row permutation of an epoch, derived from (seed, epoch) and kept for the epoch."""
+        if self._order[0] != epoch:
+            R = self.train_rows["input_ids"].shape[0]
+            gen = torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch)
+            self._order = (epoch, torch.randperm(R, generator=gen))
+        return self._order[1]
 
     # --------------------------------------------------------------- checkpoints
     @property
