@@ -129,3 +129,75 @@ def test_smollm2_labels_and_features(smollm2_dir):
     torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
     for j, lid in enumerate(t.layer_ids):
         torch.testing.assert_close(out.features[..., j * 576:(j + 1) * 576], ref.hidden_states[lid + 1], rtol=0, atol=0)
+
+
+def offloaded_map(n_layers: int, on_disk) -> dict:
+    dm = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    dm.update({f"model.layers.{i}": "disk" if i in on_disk else "cpu" for i in range(n_layers)})
+    return dm
+
+
+def test_a_target_spread_by_device_map_gives_the_same_features_labels_and_loss(tmp_path):
+    """A target spread over devices with accelerate's dispatch hooks (here: some layers, two of them
+    feature layers, offloaded to disk and streamed in; on GPUs the same hooks move activations
+    between cards) returns exactly the features and labels of the same model on one device."""
+    from transformers import AutoModelForCausalLM
+
+    from blockdraft.config import DrafterConfig
+    from blockdraft.model import DFlashDrafter
+    from blockdraft.train import Batch, compute_loss
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "m")
+    whole = TargetModel(AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32), None,
+                        num_features=3, mask_token_id=V - 1)
+    spread_model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32,
+                                                        device_map=offloaded_map(6, {2, 3, 5}),
+                                                        offload_folder=str(tmp_path / "off"))
+    assert spread_model.model.layers[2].self_attn.q_proj.weight.device.type == "meta"  # really offloaded
+    spread = TargetModel(spread_model, None, num_features=3, mask_token_id=V - 1, output_device="cpu")
+    assert whole.layer_ids == spread.layer_ids == [1, 2, 3]
+    ids = torch.randint(0, V - 1, (2, 24), generator=torch.Generator().manual_seed(0))
+    a, b = whole(ids), spread(ids)
+    assert torch.equal(a.features, b.features) and torch.equal(a.logits, b.logits)
+    assert torch.equal(whole(ids, return_final_hidden=True).final_hidden,
+                       spread(ids, return_final_hidden=True).final_hidden)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(whole, num_layers=1, block_size=4))
+    batch = Batch(ids, torch.ones_like(ids))
+    la = compute_loss(whole, d, batch, max_anchors=6, generator=torch.Generator().manual_seed(1))[0]
+    lb = compute_loss(spread, d, batch, max_anchors=6, generator=torch.Generator().manual_seed(1))[0]
+    assert torch.equal(la, lb)
+
+
+def test_target_device_map_flag_is_checked(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from blockdraft.train.run import spread_kwargs
+
+    assert spread_kwargs(Namespace(target_device_map=None)) == {}
+    assert spread_kwargs(Namespace(target_device_map="auto", offload_folder=None)) == {"device_map": "auto"}
+    f = tmp_path / "map.json"
+    f.write_text('{"model": "cpu", "lm_head": "disk"}')
+    assert spread_kwargs(Namespace(target_device_map=str(f), offload_folder="o")) == {
+        "device_map": {"model": "cpu", "lm_head": "disk"}, "offload_folder": "o"}
+    with pytest.raises(ValueError, match="JSON object of module -> device"):
+        spread_kwargs(Namespace(target_device_map="everywhere", offload_folder=None))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="one process per node"):
+        spread_kwargs(Namespace(target_device_map="auto", offload_folder=None))
+
+
+@pytest.mark.slow
+def test_smollm2_spread_with_the_cli_flags_matches_one_device(smollm2_dir, tmp_path):
+    from argparse import Namespace
+
+    from blockdraft.train.run import spread_kwargs
+
+    args = Namespace(target_device_map=__import__("json").dumps(offloaded_map(30, {1, 2, 14, 29})),
+                     offload_folder=str(tmp_path / "off"))
+    whole = TargetModel.from_pretrained("smollm2", device="cpu")
+    spread = TargetModel.from_pretrained("smollm2", device="cpu", **spread_kwargs(args))
+    assert spread.model.model.layers[14].mlp.up_proj.weight.device.type == "meta"
+    ids = whole.tokenizer("Speculative decoding drafts a block.", return_tensors="pt")["input_ids"]
+    a, b = whole(ids), spread(ids)
+    assert torch.equal(a.features, b.features) and torch.equal(a.logits, b.logits)

@@ -268,3 +268,27 @@ def test_converting_a_draft_vocabulary_warns(tmp_path):
     save_drafter(d, tmp_path / "d")
     with pytest.warns(UserWarning, match="full head"):
         convert(tmp_path / "d", tmp_path / "s", "speculators")
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_continuing_a_saved_drafter_starts_from_its_function(tmp_path, keep):
+    """--init-drafter: a saved drafter has its feature scale folded into fc; going on training
+    rescales the features for the optimiser, which must leave what the drafter computes unchanged."""
+    first = make(tmp_path / "a", steps=4)
+    first.train()
+    t = first.target
+    with torch.no_grad():  # a few outlier feature dimensions, as real targets have
+        t.model.get_input_embeddings().weight[:, :3].mul_(200)
+    x = torch.randn(2, 9, first.drafter.config.feature_size)
+    x[..., :3] *= 300
+    before = load_drafter(tmp_path / "a" / "drafter").context(x)
+    cfg = TrainConfig(out=str(tmp_path / "b"), steps=1, batch_tokens=80, max_anchors=8, eval_every=100,
+                      lr=1e-12, warmup=0, progress=False)
+    tr = Trainer(t, load_drafter(tmp_path / "a" / "drafter"), tiny_rows(), None, cfg, keep_function=keep)
+    tr.train()
+    assert (tr.drafter.feature_scale - 1).abs().max() > 0.5  # the optimiser sees rescaled features
+    after = load_drafter(tmp_path / "b" / "drafter").context(x)
+    if keep:
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    else:  # the contrast: rescaling without compensating fc changes the drafter
+        assert (after - before).abs().max() > 0.1

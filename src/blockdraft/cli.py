@@ -23,6 +23,7 @@ def cmd_regenerate(args) -> int:
     from .data.default_prompts import build_prompts
     from .data.regenerate import regenerate
     from .target import TargetModel
+    from .train.run import spread_kwargs
 
     _threads(args)
     if args.prompts == "default":
@@ -30,7 +31,7 @@ def cmd_regenerate(args) -> int:
     else:
         convs, stats = load_conversations(args.prompts, skip_bad_lines=args.skip_bad_lines, require_assistant=False)
         prompts = list(enumerate(convs))[: args.n]
-    target = TargetModel.from_pretrained(args.target, device=args.device)
+    target = TargetModel.from_pretrained(args.target, device=args.device, **spread_kwargs(args))
     res = regenerate(target.model, target.tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
                      batch_size=args.batch_size)
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
@@ -52,13 +53,14 @@ def cmd_train(args) -> int:
 def _load_pair(args):
     from .checkpoint import load_drafter
     from .target import TargetModel
-    from .train.run import pick_device
+    from .train.run import pick_device, spread_kwargs
 
     from .target import target_num_layers
 
     device = pick_device(args.device)
     drafter = load_drafter(args.drafter, device=device, num_target_layers=target_num_layers(args.target))
-    target = TargetModel.from_pretrained(args.target, layer_ids=drafter.config.target_layer_ids, device=device)
+    target = TargetModel.from_pretrained(args.target, layer_ids=drafter.config.target_layer_ids, device=device,
+                                         **spread_kwargs(args))
     return target, drafter
 
 
@@ -139,6 +141,10 @@ def _target_args(p) -> None:
     p.add_argument("--target", default="smollm2", help="embedded name, local transformers dir or .gguf")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (one per process on a busy machine)")
+    p.add_argument("--target-device-map", default=None, metavar="MAP",
+                   help="spread a target too big for one device: auto, balanced, sequential, or a JSON object "
+                        "(inline or a file) of module -> device, as transformers' device_map")
+    p.add_argument("--offload-folder", default=None, help="where 'disk' entries of --target-device-map live")
 
 
 def _add_train(sub) -> None:
@@ -184,6 +190,8 @@ def _add_train_schedule(t) -> None:
     t.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--features-cache", default=None, help="train from `blockdraft extract` shards")
+    t.add_argument("--init-drafter", default=None, metavar="DIR",
+                   help="go on training a saved drafter (a directory or 'default') with a fresh schedule")
     t.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
                    help="start the drafter layers from the target's top decoder layers (same shapes)")
     t.add_argument("--final-norm-init", choices=["small", "target"], default="target",
@@ -191,6 +199,9 @@ def _add_train_schedule(t) -> None:
     t.add_argument("--memo-features", choices=["auto", "on", "off"], default="auto",
                    help="keep the target's outputs in memory after the first epoch (auto: if under 4 GiB)")
     t.add_argument("--gradient-checkpointing", action="store_true")
+    t.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the drafter's parameters, gradients and optimizer state over the "
+                        "ranks (FSDP2) instead of replicating them (DDP)")
     t.add_argument("--skip-bad-lines", action="store_true")
     t.add_argument("--no-progress", action="store_true")
 

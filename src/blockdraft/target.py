@@ -176,9 +176,13 @@ class TargetModel(nn.Module):
     """A frozen transformers causal LM plus the feature hooks of clause 1."""
 
     def __init__(self, model: nn.Module, tokenizer, layer_ids: list[int] | None = None, *,
-                 num_features: int = 5, name: str | None = None, mask_token_id: int | None = None):
+                 num_features: int = 5, name: str | None = None, mask_token_id: int | None = None,
+                 output_device: str | torch.device | None = None):
+        """`output_device`: where features, logits and head outputs are returned, for a model spread
+        over several devices (`device_map`); default: the device of the model's head."""
         super().__init__()
         self.model = model.eval().requires_grad_(False)
+        self.output_device = None if output_device is None else torch.device(output_device)
         self.tokenizer = tokenizer
         tc = text_config(model)
         self.num_layers = int(tc.num_hidden_layers)
@@ -209,11 +213,16 @@ class TargetModel(nn.Module):
         local, name = resolve_target(path)
         if dtype is None:
             dtype = torch.bfloat16 if (device or "").startswith("cuda") else torch.float32
+        spread = model_kwargs.get("device_map") is not None
+        if not spread:
+            model_kwargs.pop("device_map", None)
         model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, **model_kwargs)
-        if device is not None and "device_map" not in model_kwargs:
+        if device is not None and not spread:
             model = model.to(device)
         tok = AutoTokenizer.from_pretrained(local)
-        return cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
+        # a spread model (device_map) hands its outputs to the drafter's device
+        return cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id,
+                   output_device=(device or "cpu") if spread else None)
 
     @classmethod
     def head_only(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
@@ -260,6 +269,9 @@ class TargetModel(nn.Module):
     # ------------------------------------------------------------ forward
     @property
     def device(self) -> torch.device:
+        """Where this target takes inputs and returns outputs."""
+        if self.output_device is not None:
+            return self.output_device
         return self.model.get_output_embeddings().weight.device
 
     @property
@@ -315,9 +327,11 @@ class TargetModel(nn.Module):
                 logits = None
         finally:
             self._capturing = False
-        feats = torch.cat([self._captured[lid] for lid in self.layer_ids], dim=-1)  # [Bz, T, F*Ht]
+        dev = self.device  # layers of a spread model sit on several devices
+        feats = torch.cat([self._captured[lid].to(dev) for lid in self.layer_ids], dim=-1)  # [Bz, T, F*Ht]
         self._captured.clear()
-        return TargetOutput(features=feats, logits=logits, final_hidden=final)
+        return TargetOutput(features=feats, logits=None if logits is None else logits.to(dev),
+                            final_hidden=None if final is None else final.to(dev))
 
     def _cache_kwarg(self) -> str:
         """`cache` in recent transformers, `past_key_values` before; looked up once (verify is a hot path)."""
@@ -353,18 +367,21 @@ class TargetModel(nn.Module):
     # ------------------------------------------------- frozen pieces the drafter uses
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw rows of the target's input embedding (no model-specific scaling), as z-lab does."""
-        return nn.functional.embedding(ids, self.model.get_input_embeddings().weight)
+        w = self.model.get_input_embeddings().weight
+        return nn.functional.embedding(ids.to(w.device), w).to(ids.device)
 
     def head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The target's lm_head (+ final logit soft-capping where the model has it); with `rows`,
         only those vocabulary rows ([..., len(rows)] logits: a draft vocabulary)."""
         out = self.model.get_output_embeddings()
+        home, hidden = hidden.device, hidden.to(out.weight.device)  # differ for a spread model
         if rows is None:
             logits = out(hidden)
         else:
+            rows = rows.to(out.weight.device)
             bias = None if getattr(out, "bias", None) is None else out.bias[rows]
             logits = nn.functional.linear(hidden, out.weight[rows], bias)
         cap = getattr(text_config(self.model), "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits.to(home)

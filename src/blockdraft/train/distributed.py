@@ -61,3 +61,55 @@ def average_gradients(params) -> None:
 def barrier() -> None:
     if world()[1] > 1:
         dist.barrier()
+
+
+# ------------------------------------------------------------------ FSDP2
+# Drafter parameters sharded over the ranks with torch's own FSDP2 (`fully_shard`): each decoder
+# layer is one unit, the root holds fc and the norms. Gradients are reduce-scattered (averaged)
+# by FSDP itself. Checkpoints stay in the single-process layout (full tensors, optimizer state
+# keyed by parameter index), gathered collectively and written by rank 0, so a run can resume
+# with or without sharding.
+
+def shard_drafter(drafter) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in drafter.layers:
+        fully_shard(layer)
+    fully_shard(drafter)
+
+
+def is_sharded(module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _param_names(module) -> list[str]:
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def full_state(drafter, optimizer) -> tuple[dict, dict]:
+    """(drafter state dict, optimizer state dict keyed by parameter index) with full tensors on
+    the CPU of rank 0 (other ranks get two empty dicts). A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(drafter, options=opts)
+    named = get_optimizer_state_dict(drafter, optimizer, options=opts)
+    if world()[0] != 0:
+        return {}, {}
+    index = {n: i for i, n in enumerate(_param_names(drafter))}
+    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in named["param_groups"]]
+    return model_sd, {"state": {index[n]: st for n, st in named["state"].items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state(drafter, optimizer, indexed: dict) -> None:
+    """Load an optimizer state keyed by parameter index (the single-process layout) into the
+    optimizer of a sharded drafter; every rank calls it with the same full state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _param_names(drafter)
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in indexed["param_groups"]]
+    named = {"state": {names[i]: st for i, st in indexed["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(drafter, optimizer, named, options=StateDictOptions(full_state_dict=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -51,6 +52,36 @@ def pick_device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SPREAD_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def spread_kwargs(args) -> dict:
+    """--target-device-map: spread a target too big for one device with transformers' `device_map`
+    (auto, balanced, sequential, or a JSON object / file of module -> device; "disk" entries need
+    --offload-folder). The drafter stays on --device, the target's outputs are moved there."""
+    spec = getattr(args, "target_device_map", None)
+    if not spec:
+        return {}
+    if spec in SPREAD_NAMES:
+        device_map = spec
+    else:
+        text = spec if spec.lstrip().startswith("{") else Path(spec).read_text() if Path(spec).is_file() else spec
+        try:
+            device_map = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--target-device-map must be one of {', '.join(SPREAD_NAMES)} or a JSON object of "
+                             f"module -> device (inline or a file): {e}") from None
+        if not isinstance(device_map, dict):
+            raise ValueError("--target-device-map JSON must be an object of module -> device")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise ValueError("--target-device-map spreads the target over this node's devices: run one process "
+                         "per node (torchrun --nproc-per-node 1)")
+    kw = {"device_map": device_map}
+    if getattr(args, "offload_folder", None):
+        kw["offload_folder"] = args.offload_folder
+    return kw
+
+
 def conversation_rows(target, args) -> tuple[dict, dict | None]:
     """Render and pack --data (and --eval-data or a held-out split of it) into rows."""
     from ..data import load_conversations, pack, render
@@ -95,7 +126,7 @@ def run_extract(args) -> str:
 
     rank, world_size, device = init_from_env(pick_device(args.device))
     target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
-                                         device=device)
+                                         device=device, **spread_kwargs(args))
     args.eval_fraction = 0.0
     rows, _ = conversation_rows(target, args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -167,6 +198,20 @@ def build_drafter(args, target, train_rows: dict, device: str):
     return drafter.to(device)
 
 
+def continue_drafter(name_or_dir: str, target, device: str):
+    """A trained drafter to go on training (a fresh schedule, not --resume): its architecture, draft
+    vocabulary and weights come from the checkpoint, so the layout flags do not apply."""
+    from ..checkpoint.native import load_drafter
+    from ..generate.speculative import check_pair
+
+    drafter = load_drafter(name_or_dir, device=device)
+    check_pair(target, drafter)
+    cfg = drafter.config
+    print(f"init: continuing from the drafter in {name_or_dir} ({cfg.num_hidden_layers} layer(s), "
+          f"block {cfg.block_size}, draft vocabulary {cfg.draft_vocab_size or 'full'}); layout flags are ignored")
+    return drafter
+
+
 def run_training(args) -> dict:
     from ..checkpoint.native import load_drafter
     from ..data.features import FeatureMemo, memo_bytes
@@ -187,20 +232,25 @@ def run_training(args) -> dict:
         feats = {"train_features": tf, "eval_features": ef}
     else:
         target = TargetModel.from_pretrained(args.target, layer_ids=args.layer_ids, num_features=args.num_features,
-                                             device=device)
+                                             device=device, **spread_kwargs(args))
         train_rows, eval_rows = conversation_rows(target, args)
         train_rows = first_rows(train_rows, args.max_rows)
         if args.memo_features == "on" or (args.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
             # compute the target's outputs once, reuse them every epoch
             feats = {"train_features": FeatureMemo(target, train_rows),
                      "eval_features": FeatureMemo(target, eval_rows) if eval_rows is not None else None}
-    drafter = build_drafter(args, target, train_rows, device)
+    if getattr(args, "init_drafter", None):
+        drafter = continue_drafter(args.init_drafter, target, device)
+    else:
+        drafter = build_drafter(args, target, train_rows, device)
     tc = TrainConfig(out=args.out, steps=args.steps, epochs=args.epochs, lr=args.lr, warmup=args.warmup,
                      grad_accum=args.grad_accum, batch_tokens=args.batch_tokens, max_anchors=args.max_anchors,
                      loss=args.loss, gamma=args.gamma, seed=args.seed, eval_every=args.eval_every,
                      save_every=args.save_every, gradient_checkpointing=args.gradient_checkpointing,
+                     fsdp=getattr(args, "fsdp", False),
                      progress=not args.no_progress)
-    trainer = Trainer(target, drafter, train_rows, eval_rows, tc, **feats)
+    trainer = Trainer(target, drafter, train_rows, eval_rows, tc, keep_function=bool(getattr(args, "init_drafter", None)),
+                      **feats)
     print(f"train: {train_rows['input_ids'].shape[0]} rows x {train_rows['input_ids'].shape[1]} tokens, "
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}"

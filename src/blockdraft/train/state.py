@@ -20,11 +20,14 @@ from ..checkpoint.native import atomic_dir, recover_dir
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 
-def save_state(directory: str | Path, *, drafter, optimizer, progress: dict) -> Path:
-    tensors: dict[str, torch.Tensor] = {f"drafter.{k}": v.detach().clone().contiguous()
-                                        for k, v in drafter.state_dict().items()}
-    tensors["drafter_feature_scale"] = drafter.feature_scale.detach().clone()
-    opt = optimizer.state_dict()
+def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, drafter_state: dict | None = None,
+               optimizer_state: dict | None = None) -> Path:
+    """`drafter_state`/`optimizer_state`: full states gathered from a sharded run (else taken from
+    the objects)."""
+    sd = drafter.state_dict() if drafter_state is None else drafter_state
+    tensors: dict[str, torch.Tensor] = {f"drafter.{k}": v.detach().clone().contiguous() for k, v in sd.items()}
+    tensors["drafter_feature_scale"] = drafter.feature_scale.detach().cpu().clone()
+    opt = optimizer.state_dict() if optimizer_state is None else optimizer_state
     for idx, st in opt["state"].items():
         for name, val in st.items():
             t = val if torch.is_tensor(val) else torch.tensor(val)

@@ -44,6 +44,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     backend: str = "auto"
     progress: bool = True
+    fsdp: bool = False  # shard the drafter over the ranks (FSDP2) instead of replicating it
 
     def validate(self) -> None:
         if self.lr <= 0 or self.grad_accum < 1 or self.batch_tokens < 1 or self.max_anchors < 1:
@@ -104,13 +105,15 @@ def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int,
 
 class Trainer:
     def __init__(self, target, drafter, train_rows: dict, eval_rows: dict | None, cfg: TrainConfig, *,
-                 train_features=None, eval_features=None):
+                 train_features=None, eval_features=None, keep_function: bool = False):
         """`train_features`/`eval_features`: optional idx -> (features, final_hidden) of stored target
-        outputs (FeatureMemo, DiskFeatures); without them the target runs in the loop."""
+        outputs (FeatureMemo, DiskFeatures); without them the target runs in the loop. `keep_function`:
+        the drafter is already trained, so rescaling its features must leave its outputs unchanged."""
         cfg.validate()
         self.train_features, self.eval_features = train_features, eval_features
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.train_rows, self.eval_rows = train_rows, eval_rows
+        self.keep_function = keep_function
         self.out = Path(cfg.out)
         L = train_rows["input_ids"].shape[1]
         self.rows_per_batch = max(1, cfg.batch_tokens // L)
@@ -120,11 +123,42 @@ class Trainer:
         self.micro_per_step = cfg.grad_accum * self.world
         self.steps_per_epoch = max(1, math.ceil(R / (self.rows_per_batch * self.micro_per_step)))
         self.total = cfg.steps or max(1, int(round(cfg.epochs * self.steps_per_epoch)))
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.fsdp = cfg.fsdp and self.world > 1  # one process has nothing to shard over
+        self.opt = self._optimizer()
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
         self._order: tuple[int, torch.Tensor | None] = (-1, None)
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
+
+    def _shard(self) -> None:
+        """FSDP2: shard the drafter once its feature scale and any resumed state are in place; the
+        optimizer is rebuilt on the shards and given the (full) resumed optimizer state."""
+        from .distributed import load_full_optimizer_state, shard_drafter
+
+        resumed = self.opt.state_dict()
+        shard_drafter(self.drafter)
+        self.opt = self._optimizer()
+        if resumed["state"]:
+            load_full_optimizer_state(self.drafter, self.opt, resumed)
+
+    def plain_drafter(self):
+        """The drafter as one module with full tensors (gathered from the shards under FSDP: a
+        collective, every rank calls it; only rank 0 gets the drafter, the others None)."""
+        if not self.fsdp:
+            return self.drafter
+        from ..model import DFlashDrafter
+        from .distributed import full_state
+
+        sd, _ = full_state(self.drafter, self.opt)
+        if self.rank != 0:
+            return None
+        plain = DFlashDrafter(self.drafter.config)
+        plain.load_state_dict(sd)
+        plain.feature_scale.copy_(self.drafter.feature_scale.cpu())
+        return plain
 
     @torch.no_grad()
     def feature_scale(self, n_rows: int = 4) -> torch.Tensor:
@@ -168,10 +202,15 @@ class Trainer:
         return self.out / "checkpoint"
 
     def save(self) -> None:
+        states: dict = {}
+        if self.fsdp:  # gathered by every rank, written by one
+            from .distributed import full_state
+
+            states = dict(zip(("drafter_state", "optimizer_state"), full_state(self.drafter, self.opt)))
         if self.rank != 0:  # written once, atomically, by rank 0
             barrier()
             return
-        save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress)
+        save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress, **states)
         barrier()
 
     def resume(self) -> None:
@@ -213,7 +252,8 @@ class Trainer:
             for k in agg:
                 agg[k] += m[k] / cfg.grad_accum
             self.progress["tokens"] += int(b.input_ids.numel()) * self.world
-        average_gradients(self.drafter.parameters())
+        if not self.fsdp:  # FSDP has already reduce-scattered (averaged) the gradients
+            average_gradients(self.drafter.parameters())
         agg = all_reduce_mean(agg)
         agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
         self.opt.step()
@@ -229,9 +269,11 @@ class Trainer:
         if resume:
             self.resume()
         else:
-            self.drafter.set_feature_scale(self.feature_scale(), keep_function=False)
+            self.drafter.set_feature_scale(self.feature_scale(), keep_function=self.keep_function)
             if lead:
                 (self.out / "metrics.jsonl").write_text("")
+        if self.fsdp:
+            self._shard()
         if lead:
             (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
         bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
@@ -243,7 +285,9 @@ class Trainer:
             self.progress["elapsed"] = time.time() - t0
             m["elapsed"] = self.progress["elapsed"]
             step = self.progress["step"]
-            if lead and self.eval_rows is not None and (step % self.cfg.eval_every == 0 or step == self.total):
+            # a sharded drafter's forward is a collective: every rank evaluates, rank 0 logs
+            if (lead or self.fsdp) and self.eval_rows is not None and (step % self.cfg.eval_every == 0
+                                                                        or step == self.total):
                 last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch,
                                      self.eval_features)
                 m.update(last_eval)
@@ -255,7 +299,8 @@ class Trainer:
             if step % self.cfg.save_every == 0 or step == self.total:
                 self.save()
         bar.close()
+        final = self.plain_drafter()
         if lead:
-            save_drafter(self.drafter, self.out / "drafter")
+            save_drafter(final, self.out / "drafter")
         barrier()
         return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
