@@ -42,13 +42,15 @@ def oracle(truth, corrupt_every):
             i = start + k - 1
             tok = truth[i] if i < len(truth) else 0
             picks.append((tok + 1) % V if calls["n"] % corrupt_every == 0 else tok)
-        return torch.tensor(picks), None
+        conf = torch.tensor([0.9 if (k % cut_every[0]) else 0.1 for k in range(1, block.shape[0])])
+        return torch.tensor(picks), None, conf
 
     return propose
 
 
 spec_real = spec._propose
 prompt_len = [0]
+cut_every = [1000]  # the oracle's confidence drops at every cut_every-th slot
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
@@ -76,6 +78,30 @@ def test_greedy_with_accepted_drafts(monkeypatch, arch, corrupt_every):
     if corrupt_every == 1000:
         assert all(a == 6 for a in res.accepted[:-1])  # 5 drafts + the target's token, every step but the last
     assert max(res.accepted) <= 6
+
+
+@pytest.mark.parametrize("cut", [2, 3])
+def test_draft_threshold_verifies_fewer_tokens_with_the_same_output(monkeypatch, cut):
+    t, d = pair("llama", 8)
+    ids = torch.randint(0, V - 1, (1, 9))
+    ref = reference(t, ids, 40)
+    prompt_len[0], cut_every[0] = ids.shape[1], cut
+    monkeypatch.setattr(spec, "_propose", oracle(ref, 1000))
+    full = speculative_generate(t, d, ids, max_new_tokens=40)
+    short = speculative_generate(t, d, ids, max_new_tokens=40, draft_threshold=0.5)
+    cut_every[0] = 1000
+    assert full.tokens == short.tokens == ref
+    assert max(full.verified) == 8 and max(short.verified) == cut  # anchor + the drafts before the cut
+    assert all(a <= v for a, v in zip(short.accepted, short.verified))
+    with pytest.raises(ValueError, match="draft_threshold"):
+        speculative_generate(t, d, ids, max_new_tokens=4, draft_threshold=1.0)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.05, 0.3])
+def test_real_drafter_with_threshold_is_lossless(threshold):
+    t, d = pair("qwen3", 6)
+    ids = torch.randint(0, V - 1, (1, 10))
+    assert speculative_generate(t, d, ids, max_new_tokens=30, draft_threshold=threshold).tokens == reference(t, ids, 30)
 
 
 def test_stop_tokens_and_length():

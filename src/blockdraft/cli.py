@@ -88,7 +88,8 @@ def cmd_generate(args) -> int:
 
     res = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_p=args.top_p, block_size=args.block_size,
-                               stop_token_ids=stop_token_ids(tok), seed=args.seed, on_tokens=stream)
+                               stop_token_ids=stop_token_ids(tok), seed=args.seed, on_tokens=stream,
+                               draft_threshold=args.draft_threshold)
     dt = res.time_total - res.time_prefill
     print(f"\n\n[tau {res.tau:.2f} | {len(res.tokens)} tokens | {(len(res.tokens) - 1) / max(dt, 1e-9):.1f} tok/s "
           f"after a {res.time_prefill:.2f}s prefill]", file=sys.stderr)
@@ -103,7 +104,7 @@ def cmd_bench(args) -> int:
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     results = run_bench(target, drafter, sets, args.n, max_new_tokens=args.max_new_tokens,
                         block_size=args.block_size, json_path=args.json, plot_path=args.plot,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, draft_threshold=args.draft_threshold)
     print(f"{'set':10} {'n':>3} {'tau':>5} {'target t/s':>10} {'spec t/s':>9} {'speedup':>7} {'ceiling':>7} "
           f"{'lookup':>6} identical")
     for r in results:
@@ -261,6 +262,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="verify only the drafts up to the first slot whose top draft probability is below this "
+                        "(0: the whole block); cheaper verification, same output")
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
 
@@ -273,6 +277,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--n", type=int, default=20)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="verify only the drafts up to the first slot whose top draft probability is below this "
+                        "(0: the whole block); cheaper verification, same output")
     b.add_argument("--json", default=None)
     b.add_argument("--plot", default=None)
     b.add_argument("--no-progress", action="store_true")

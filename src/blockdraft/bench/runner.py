@@ -29,7 +29,7 @@ def lookup_generate(target, ids, max_new_tokens, stops, lookup_tokens):
 
 
 def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_size: int | None,
-              lookup_tokens: int = 10, progress: bool = True) -> dict:
+              lookup_tokens: int = 10, progress: bool = True, draft_threshold: float = 0.0) -> dict:
     from tqdm.auto import tqdm
 
     prompts = load_prompt_set(name, n)
@@ -41,7 +41,7 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
         ids = encode(target.tokenizer, msgs)
         base = target_greedy(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
         spec = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                                    block_size=block_size)
+                                    block_size=block_size, draft_threshold=draft_threshold)
         look, t_look = lookup_generate(target, ids, max_new_tokens, stops, lookup_tokens)
         identical &= base.tokens == spec.tokens
         hist.update(spec.accepted)
@@ -51,6 +51,7 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
         agg["spec_tokens"] += len(spec.tokens) - 1
         agg["spec_time"] += spec.time_total - spec.time_prefill
         agg["spec_steps"] += len(spec.accepted)
+        agg["verified"] += sum(spec.verified)
         agg["t_draft"] += spec.time_draft
         agg["t_verify"] += spec.time_verify
         agg["look_tokens"] += len(look)
@@ -65,6 +66,7 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
     other = agg["spec_time"] - agg["t_draft"] - agg["t_verify"]
     return {
         "set": name, "n_prompts": len(prompts), "block_size": block_size or drafter.block_size, "tau": tau,
+        "draft_threshold": draft_threshold, "mean_verified": agg["verified"] / steps,
         "target_tok_s": base_tps, "spec_tok_s": spec_tps, "speedup": spec_tps / max(1e-9, base_tps),
         "identical": bool(identical),
         "lookup_speedup": (agg["look_tokens"] / max(1e-9, agg["look_time"])) /
@@ -94,9 +96,9 @@ def plot_hist(results: list[dict], path) -> None:
 
 
 def run_bench(target, drafter, sets: list[str], n: int, *, max_new_tokens: int = 256, block_size=None,
-              json_path=None, plot_path=None, progress: bool = True) -> list[dict]:
+              json_path=None, plot_path=None, progress: bool = True, draft_threshold: float = 0.0) -> list[dict]:
     results = [bench_set(target, drafter, s, n, max_new_tokens=max_new_tokens, block_size=block_size,
-                         progress=progress) for s in sets]
+                         progress=progress, draft_threshold=draft_threshold) for s in sets]
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -8,6 +8,11 @@ one forward; the longest prefix the target agrees with is accepted (greedy: equa
 argmax; sampling: speculative sampling), the target's own next token is appended, the
 target cache is cropped to the committed length and the committed tokens' features become
 new drafter context.
+
+`draft_threshold` > 0 verifies only the drafts up to the first slot whose top draft probability
+falls below it (at least one): verifying fewer tokens is cheaper, and since the cut depends only
+on the drafter's distributions (all computed before any draw), the output is unchanged (greedy: still the target's
+own tokens; sampling: still exact speculative sampling over a shorter draft).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from .acceptance import accept_greedy, accept_sampled, sampling_probs
 class GenerationResult:
     tokens: list[int]  # the new token ids
     accepted: list[int] = field(default_factory=list)  # tokens committed per verify step (incl. the target's own)
+    verified: list[int] = field(default_factory=list)  # tokens the target verified per step (anchor + drafts)
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_prefill: float = 0.0
@@ -82,9 +88,11 @@ def _validate(target, drafter, input_ids, max_new_tokens, block_size, temperatur
 @torch.no_grad()
 def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
                          top_p: float = 1.0, stop_token_ids=None, block_size: int | None = None,
-                         seed: int | None = None, on_tokens=None) -> GenerationResult:
+                         seed: int | None = None, on_tokens=None, draft_threshold: float = 0.0) -> GenerationResult:
     """Generate with the drafter; the output follows the target exactly (greedy: token for token)."""
     B = _validate(target, drafter, input_ids, max_new_tokens, block_size, temperature, top_p)
+    if not 0.0 <= draft_threshold < 1.0:
+        raise ValueError(f"draft_threshold must be in [0, 1), got {draft_threshold}")
     gen = torch.Generator(device=target.device)
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
     stops = set(stop_token_ids or [])
@@ -112,8 +120,14 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
         block[0] = committed[-1]
         draft_q = None
         if b > 1:
-            block[1:], draft_q = _propose(target, drafter, block, new_feats, new_pos, L - 1, ctx, temperature,
-                                          top_p, gen)
+            block[1:], draft_q, conf = _propose(target, drafter, block, new_feats, new_pos, L - 1, ctx,
+                                                temperature, top_p, gen)
+            if draft_threshold > 0:
+                low = (conf < draft_threshold).nonzero()
+                keep = int(low[0, 0]) if len(low) else b - 1
+                b = 1 + max(1, keep)
+                block = block[:b]
+                draft_q = None if draft_q is None else draft_q[:b - 1]
         t1 = time.perf_counter()
         out = target(block[None], position_ids=torch.arange(L - 1, L - 1 + b, device=dev)[None], cache=cache)
         t2 = time.perf_counter()
@@ -128,6 +142,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
         new = _truncate(new, stops, max_new_tokens - len(committed))
         committed += new
         res.accepted.append(len(new))
+        res.verified.append(b)
         if on_tokens:
             on_tokens(new)
         res.time_draft += t1 - t0
@@ -138,16 +153,20 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
 
 
 def _propose(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen):
-    """Draft tokens for slots 1.. of `block` [b] and (sampling) their distributions [b-1, V]."""
+    """Draft tokens for slots 1.. of `block` [b], (sampling) their distributions [b-1, V], and each
+    slot's top draft probability [b-1]."""
     dt = drafter.fc.weight.dtype
     hidden = drafter.draft_hidden(new_feats.to(dt), new_pos, target.embed(block).to(dt), anchor_pos, ctx)
     rows = drafter.vocab_rows
     logits = target.head(hidden[1:].to(target.dtype), rows)  # [b-1, Vd]
     if temperature > 0:
         q = _full_vocab(sampling_probs(logits, temperature, top_p), rows, target.vocab_size)
-        return torch.multinomial(q, 1, generator=gen)[:, 0], q
-    picks = logits.argmax(-1)
-    return (rows[picks] if rows is not None else picks), None
+        # the cut uses each slot's top probability, never the sampled token: a cut that depended on
+        # the draw would bias the drafts that reach verification and break exactness
+        return torch.multinomial(q, 1, generator=gen)[:, 0], q, q.max(-1).values
+    probs = logits.float().softmax(-1)
+    conf, picks = probs.max(-1)
+    return (rows[picks] if rows is not None else picks), None, conf
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen) -> torch.Tensor:
