@@ -44,10 +44,13 @@ def test_extract_resumes_and_refuses_a_foreign_cache(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("shard-*.safetensors"))
             if p.name != shards[2].name} == {k: v for k, v in mtimes.items() if k != shards[2].name}
     cache = DiskFeatures(out, expect=cache_identity(t, 40, torch.float32))
-    f, h = cache(torch.tensor([7]))
-    ref_f, ref_h = FeatureMemo(t, rows)(torch.tensor([7]))
+    idx = torch.tensor([7, 0, 9, 3, 2])  # rows of every shard (3 per shard), in mixed order
+    f, h = cache(idx)
+    ref_f, ref_h = FeatureMemo(t, rows)(idx)
     torch.testing.assert_close(f, ref_f, rtol=0, atol=0)
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+    with pytest.raises(IndexError, match="outside"):
+        cache(torch.tensor([10]))
     assert torch.equal(cache.rows["input_ids"], rows["input_ids"])
     other = tiny_target("llama", layer_ids=[0, 2, 4])
     with pytest.raises(ValueError, match="layer_ids"):
@@ -57,3 +60,13 @@ def test_extract_resumes_and_refuses_a_foreign_cache(tmp_path):
     os.remove(shards[0])
     with pytest.raises(ValueError, match="incomplete"):
         DiskFeatures(out)
+
+
+def test_a_bf16_cache_reads_back_the_rounded_outputs(tmp_path):
+    t = tiny_target("qwen3")
+    rows = tiny_rows(5)
+    extract(t, rows, tmp_path / "c", shard_rows=2, dtype=torch.bfloat16, progress=False)
+    f, h = DiskFeatures(tmp_path / "c")(torch.tensor([4, 1]))
+    ref_f, ref_h = FeatureMemo(t, rows)(torch.tensor([4, 1]))
+    assert f.dtype == torch.float32
+    assert torch.equal(f, ref_f.bfloat16().float()) and torch.equal(h, ref_h.bfloat16().float())

@@ -43,6 +43,10 @@ def cmd_train(args) -> int:
 
     _threads(args)
     summary = run_training(args)
+    from .train.distributed import world
+
+    if world()[0] != 0:  # under torchrun, rank 0 reports
+        return 0
     print(json.dumps({k: v for k, v in summary.items() if k != "eval_slot_accuracy"}))
     tau = summary.get("eval_tau")
     if tau is not None:

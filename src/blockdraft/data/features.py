@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 MANIFEST = "manifest.json"
 ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
@@ -116,10 +116,38 @@ class DiskFeatures:
         if missing:
             raise ValueError(f"feature cache {self.dir} is incomplete ({len(missing)} shards missing); "
                              "rerun `blockdraft extract` with the same arguments to finish it")
-        parts = [load_file(str(self.dir / s)) for s in self.manifest["shards"]]
-        self.rows = {k: torch.cat([p[k] for p in parts]) for k in ROW_KEYS}
-        self._features = torch.cat([p["features"] for p in parts])
-        self._final = torch.cat([p["final_hidden"] for p in parts])
+        # rows (token ids, masks, positions) are small and kept; features and final states stay on
+        # disk and are read row by row through safetensors' memory map (an 8B target's features
+        # are ~170 MB per 4k-token row in bf16: a real cache does not fit in RAM)
+        self._paths = [str(self.dir / s) for s in self.manifest["shards"]]
+        self._handles: dict[int, object] = {}
+        parts, sizes = {k: [] for k in ROW_KEYS}, []
+        for k in range(len(self._paths)):
+            fh = self._open(k)
+            for key in ROW_KEYS:
+                parts[key].append(fh.get_tensor(key))
+            sizes.append(parts["input_ids"][-1].shape[0])
+        self.rows = {k: torch.cat(v) for k, v in parts.items()}
+        self._starts = [0]
+        for n in sizes:
+            self._starts.append(self._starts[-1] + n)
+
+    def _open(self, k: int):
+        if k not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[k] = safe_open(self._paths[k], "pt", device="cpu")
+        return self._handles[k]
 
     def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._features[idx].float(), self._final[idx].float()
+        import bisect
+
+        feats, finals = [], []
+        for i in idx.tolist():
+            if not 0 <= i < self._starts[-1]:
+                raise IndexError(f"row {i} is outside this cache's {self._starts[-1]} rows")
+            k = bisect.bisect_right(self._starts, i) - 1
+            j, fh = i - self._starts[k], self._open(k)
+            feats.append(fh.get_slice("features")[j:j + 1])
+            finals.append(fh.get_slice("final_hidden")[j:j + 1])
+        return torch.cat(feats).float(), torch.cat(finals).float()
