@@ -292,3 +292,24 @@ def test_continuing_a_saved_drafter_starts_from_its_function(tmp_path, keep):
         torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     else:  # the contrast: rescaling without compensating fc changes the drafter
         assert (after - before).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_top_feature_context_init_is_the_top_layers_input_norm_of_the_last_feature(arch):
+    """--context-init top-feature: before training, and after the trainer rescales the features
+    keeping the function, the context rows are exactly the target's top-layer input norm applied
+    to the last captured layer's hidden state."""
+    from blockdraft.train.run import init_context_from_top_feature
+    from blockdraft.train.trainer import feature_scale_from
+
+    t = tiny_target(arch)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    init_context_from_top_feature(d, t)
+    ids = tiny_rows(2)["input_ids"]
+    feats = t(ids, return_logits=False).features
+    top = t.model.model.layers[-1]
+    ref = top.input_layernorm(feats[..., -t.hidden_size:])  # the model's own norm module
+    with torch.no_grad():
+        torch.testing.assert_close(d.context(feats), ref, rtol=1e-5, atol=1e-5)
+        d.set_feature_scale(feature_scale_from(feats), keep_function=True)
+        torch.testing.assert_close(d.context(feats), ref, rtol=1e-4, atol=1e-4)

@@ -201,6 +201,9 @@ def _add_train_schedule(t) -> None:
                    help="start the drafter layers from the target's top decoder layers (same shapes)")
     t.add_argument("--final-norm-init", choices=["small", "target"], default="target",
                    help="drafter output norm: 0.1 (near-uniform first guesses) or the target's final norm scale")
+    t.add_argument("--context-init", choices=["random", "top-feature"], default="random",
+                   help="fc/hidden_norm start: random, or passing the last captured target layer through with the "
+                        "target top layer's input-norm scale")
     t.add_argument("--memo-features", choices=["auto", "on", "off"], default="auto",
                    help="keep the target's outputs in memory after the first epoch (auto: if under 4 GiB)")
     t.add_argument("--gradient-checkpointing", action="store_true")

@@ -145,6 +145,30 @@ def init_final_norm_from_target(drafter, target) -> None:
     drafter.norm.weight.copy_(1 + w if "Gemma" in type(norm).__name__ else w)
 
 
+@torch.no_grad()
+def init_context_from_top_feature(drafter, target) -> None:
+    """Start the context path as the target's top layer would see its own input: fc passes the
+    last captured layer's hidden state through unchanged (the other layers start at zero) and
+    hidden_norm takes the scale of the top layer's input norm. Train with the feature scale
+    applied function-preservingly (the trainer's keep_function)."""
+    from ..target import find_decoder_layers
+
+    cfg = drafter.config
+    Ht = cfg.target_hidden_size
+    if cfg.hidden_size != Ht:
+        raise ValueError(f"--context-init top-feature needs the drafter's hidden size ({cfg.hidden_size}) to equal "
+                         f"the target's ({Ht})")
+    top = list(find_decoder_layers(target.model, target.num_layers))[-1]
+    ln = getattr(top, "input_layernorm", None)
+    if ln is None or ln.weight.is_meta or ln.weight.shape != drafter.hidden_norm.weight.shape:
+        raise ValueError("the target's top layer has no input norm of the drafter's width; use --context-init random")
+    w = torch.zeros_like(drafter.fc.weight)
+    w[:, -Ht:] = torch.eye(Ht, dtype=w.dtype)
+    drafter.fc.weight.copy_(w)
+    scale = ln.weight.float()
+    drafter.hidden_norm.weight.copy_(1 + scale if "Gemma" in type(ln).__name__ else scale)
+
+
 def layer_layout(args) -> dict:
     """layer_types / sliding_window / causal flag from --sliding-window and --sliding-layers."""
     w = getattr(args, "sliding_window", None)
@@ -190,6 +214,10 @@ def build_drafter(args, target, train_rows: dict, device: str):
               f"{args.draft_layers} layer(s)")
     if getattr(args, "final_norm_init", "small") == "target" and not head_only:
         init_final_norm_from_target(drafter, target)
+    if getattr(args, "context_init", "random") == "top-feature":
+        if head_only:
+            raise ValueError("--context-init top-feature needs the target's layers; a feature cache loads none")
+        init_context_from_top_feature(drafter, target)
     if vocab:
         drafter.set_draft_vocab(frequent_tokens(train_rows, target.vocab_size, vocab))
         ids = train_rows["input_ids"][train_rows["loss_mask"].bool()]
@@ -249,8 +277,10 @@ def run_training(args) -> dict:
                      save_every=args.save_every, gradient_checkpointing=args.gradient_checkpointing,
                      fsdp=getattr(args, "fsdp", False),
                      progress=not args.no_progress)
-    trainer = Trainer(target, drafter, train_rows, eval_rows, tc, keep_function=bool(getattr(args, "init_drafter", None)),
-                      **feats)
+    # a drafter that already computes something (loaded, or a structured init) keeps its function
+    # when the trainer rescales its features
+    keep = bool(getattr(args, "init_drafter", None)) or getattr(args, "context_init", "random") == "top-feature"
+    trainer = Trainer(target, drafter, train_rows, eval_rows, tc, keep_function=keep, **feats)
     print(f"train: {train_rows['input_ids'].shape[0]} rows x {train_rows['input_ids'].shape[1]} tokens, "
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}"
