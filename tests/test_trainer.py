@@ -313,3 +313,24 @@ def test_top_feature_context_init_is_the_top_layers_input_norm_of_the_last_featu
         torch.testing.assert_close(d.context(feats), ref, rtol=1e-5, atol=1e-5)
         d.set_feature_scale(feature_scale_from(feats), keep_function=True)
         torch.testing.assert_close(d.context(feats), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_held_out_split_is_stable_when_the_data_grows():
+    import random
+
+    from blockdraft.train.run import split_conversations
+
+    def conv(i):
+        return [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+
+    first = [conv(i) for i in range(300)]
+    tr, ev = split_conversations(first, 0.1, seed=0)
+    assert len(tr) + len(ev) == 300 and not any(c in tr for c in ev)
+    assert 15 <= len(ev) <= 45  # about 10 %
+    grown = first + [conv(i) for i in range(300, 600)]
+    random.Random(1).shuffle(grown)
+    tr2, ev2 = split_conversations(grown, 0.1, seed=0)
+    assert [c for c in ev2 if c in first] == [c for c in ev2 if c in ev] and sum(c in ev2 for c in ev) == len(ev)
+    assert not any(c in tr2 for c in ev)  # nothing held out before is trained on now
+    assert split_conversations(first, 0.1, seed=1)[1] != ev  # the seed picks another split
+    assert split_conversations(first[:3], 0.01, seed=0)[1]  # at least one held out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 
 import torch
@@ -23,17 +22,27 @@ def resolve_data(data: str) -> str:
 
 
 def split_conversations(convs: list, eval_fraction: float, seed: int) -> tuple[list, list]:
-    """Held-out split by conversation (never inside one), deterministic for a seed."""
+    """Held-out split by conversation (never inside one). A conversation is held out when a hash
+    of its content (and the seed) falls below the fraction, so the split does not move when the
+    data grows or is reordered: continuing a drafter on a larger file never trains on what was
+    held out before."""
+    import hashlib
+
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
-    n_eval = int(round(eval_fraction * len(convs)))
-    if eval_fraction > 0:
-        n_eval = max(1, n_eval)
-    if n_eval >= len(convs):
-        raise ValueError(f"only {len(convs)} conversations: too few to hold {n_eval} out; lower --eval-fraction")
-    ev = set(order[:n_eval])
+    if eval_fraction == 0:
+        return list(convs), []
+
+    def u(c) -> float:
+        key = f"{seed}\n{json.dumps(c, sort_keys=True, default=str)}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2**64
+
+    us = [u(c) for c in convs]
+    ev = {i for i, x in enumerate(us) if x < eval_fraction}
+    if not ev and convs:
+        ev = {min(range(len(convs)), key=us.__getitem__)}  # at least one held out
+    if len(ev) >= len(convs):
+        raise ValueError(f"only {len(convs)} conversations: too few to hold any out; lower --eval-fraction")
     return [c for i, c in enumerate(convs) if i not in ev], [c for i, c in enumerate(convs) if i in ev]
 
 
