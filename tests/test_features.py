@@ -30,6 +30,32 @@ def test_cached_outputs_give_the_online_labels_and_features(arch):
     torch.testing.assert_close(stored.features, online.features, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("loss", ["kl", "hard"])
+def test_memo_with_a_draft_vocabulary_gives_the_online_loss_and_metrics(loss):
+    """The memo keeps the target's full-vocabulary argmax, so steps with a draft vocabulary run the
+    head on the draft rows only; loss and metrics must equal the online path's (the target's own
+    full logits), including a target argmax outside the draft vocabulary."""
+    from blockdraft.train import compute_loss
+
+    t = tiny_target("qwen3")
+    with torch.no_grad():
+        t.model.get_output_embeddings().weight.mul_(5)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=40))
+    d.set_draft_vocab(torch.arange(0, 80, 2))  # half the target's likely picks lie outside
+    rows = tiny_rows(4)
+    idx = torch.tensor([3, 1])
+    b = rows_batch(rows, idx)
+    online = compute_loss(t, d, b, max_anchors=6, loss=loss, generator=torch.Generator().manual_seed(0))
+    cached = FeatureMemo(t, rows)(idx)
+    assert len(cached) == 3 and not torch.isin(cached[2], d.draft_vocab).all()
+    stored = compute_loss(t, d, b, max_anchors=6, loss=loss, generator=torch.Generator().manual_seed(0), cached=cached)
+    torch.testing.assert_close(stored[0], online[0], rtol=1e-5, atol=1e-6)
+    for key in ("accepted_lengths", "slot_counts", "supervised_slots"):
+        assert stored[1][key] == online[1][key]
+    assert stored[1]["accuracy"] == pytest.approx(online[1]["accuracy"])
+
+
 def test_extract_resumes_and_refuses_a_foreign_cache(tmp_path):
     t = tiny_target("llama")
     rows = tiny_rows(10)
@@ -46,7 +72,7 @@ def test_extract_resumes_and_refuses_a_foreign_cache(tmp_path):
     cache = DiskFeatures(out, expect=cache_identity(t, 40, torch.float32))
     idx = torch.tensor([7, 0, 9, 3, 2])  # rows of every shard (3 per shard), in mixed order
     f, h = cache(idx)
-    ref_f, ref_h = FeatureMemo(t, rows)(idx)
+    ref_f, ref_h = FeatureMemo(t, rows)(idx)[:2]
     torch.testing.assert_close(f, ref_f, rtol=0, atol=0)
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
     with pytest.raises(IndexError, match="outside"):
@@ -67,6 +93,6 @@ def test_a_bf16_cache_reads_back_the_rounded_outputs(tmp_path):
     rows = tiny_rows(5)
     extract(t, rows, tmp_path / "c", shard_rows=2, dtype=torch.bfloat16, progress=False)
     f, h = DiskFeatures(tmp_path / "c")(torch.tensor([4, 1]))
-    ref_f, ref_h = FeatureMemo(t, rows)(torch.tensor([4, 1]))
+    ref_f, ref_h = FeatureMemo(t, rows)(torch.tensor([4, 1]))[:2]
     assert f.dtype == torch.float32
     assert torch.equal(f, ref_f.bfloat16().float()) and torch.equal(h, ref_h.bfloat16().float())

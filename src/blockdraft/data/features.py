@@ -32,20 +32,28 @@ def target_outputs(target, rows: dict, idx: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class FeatureMemo:
-    """Computes a row's target outputs on first use and keeps them (small datasets, many epochs)."""
+    """Computes a row's target outputs on first use and keeps them (small datasets, many epochs):
+    features, final normed state, and the target's full-vocabulary argmax at every position, so
+    that later steps with a draft vocabulary run the head on the draft rows only."""
 
     def __init__(self, target, rows: dict):
         self.target, self.rows = target, rows
-        self.store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.store: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         missing = [i for i in idx.tolist() if i not in self.store]
         if missing:
             f, h = target_outputs(self.target, self.rows, torch.tensor(missing))
             for j, i in enumerate(missing):
-                self.store[i] = (f[j], h[j])
+                self.store[i] = (f[j], h[j], self._argmax(h[j]))
         got = [self.store[i] for i in idx.tolist()]
-        return torch.stack([g[0] for g in got]), torch.stack([g[1] for g in got])
+        return tuple(torch.stack([g[k] for g in got]) for k in range(3))
+
+    @torch.no_grad()
+    def _argmax(self, final: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        dev, dt = self.target.device, self.target.dtype
+        return torch.cat([self.target.head(final[i:i + chunk].to(dev, dt)).argmax(-1).cpu()
+                          for i in range(0, final.shape[0], chunk)])
 
 
 def memo_bytes(target, rows: dict) -> int:

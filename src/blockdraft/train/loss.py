@@ -11,6 +11,7 @@ not supervised ends the run, since it cannot be verified).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +54,29 @@ def accepted_lengths(match: torch.Tensor) -> torch.Tensor:
     return 1 + match[:, 1:].long().cumprod(dim=1).sum(dim=1)
 
 
+class RestrictedLabels(NamedTuple):
+    """Labels already restricted to a draft vocabulary: the target's logits on those ids [S, Vd]
+    and its argmax over the full vocabulary [S] (known from earlier, e.g. a feature memo), so
+    the full-vocabulary head need not run every step."""
+
+    logits: torch.Tensor
+    top: torch.Tensor
+
+
 def _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab):
     """Slot weights [S], the target's argmax [S] (full vocabulary) and the label logits, restricted
     to the draft vocabulary if any (hard loss: slots whose argmax lies outside get weight 0)."""
     N, B = supervised.shape
     w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
+    if isinstance(target_logits, RestrictedLabels):
+        if draft_vocab is None or target_logits.logits.shape[-1] != len(draft_vocab):
+            raise ValueError("restricted labels need the draft vocabulary they were restricted to")
+        if kind == "hard":
+            inside = torch.zeros(int(max(draft_vocab.max(), target_logits.top.max())) + 1, dtype=torch.bool,
+                                 device=w.device)
+            inside[draft_vocab] = True
+            w = w * inside[target_logits.top]
+        return w, target_logits.top, target_logits.logits
     target_top = target_logits.argmax(-1)
     if draft_vocab is not None:
         if kind == "hard":
@@ -99,9 +118,9 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervi
     if S == 0:
         raise ValueError("no supervised slot in this batch: the loss mask is empty or every block "
                          "ends at its document's end; check the data's loss_mask")
-    if draft_logits.shape[0] != S or target_logits.shape[0] != S:
-        raise ValueError(f"expected logits for {S} supervised slots, got {draft_logits.shape[0]} "
-                         f"and {target_logits.shape[0]}")
+    n_labels = (target_logits.logits if isinstance(target_logits, RestrictedLabels) else target_logits).shape[0]
+    if draft_logits.shape[0] != S or n_labels != S:
+        raise ValueError(f"expected logits for {S} supervised slots, got {draft_logits.shape[0]} and {n_labels}")
     w, target_top, target_logits = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
     draft_top = draft_logits.argmax(-1)
     if draft_vocab is not None:

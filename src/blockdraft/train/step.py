@@ -17,7 +17,7 @@ from ..model.attention import BlockLayout
 from ..model.blocks import block_input_ids, label_positions, supervised_slots
 from ..model.masks import document_starts
 from .anchors import sample_anchors
-from .loss import default_gamma, dflash_loss_chunked
+from .loss import RestrictedLabels, default_gamma, dflash_loss_chunked
 
 
 @dataclass
@@ -93,6 +93,7 @@ class Prepared:
     anchors: torch.Tensor  # [N] sorted flat anchor positions
     supervised: torch.Tensor  # [N, B] bool
     target_logits: torch.Tensor  # [S, V] the target's own logits at a + k - 1 for supervised (j, k)
+    # (or RestrictedLabels: those logits on the draft vocabulary + the full-vocabulary argmax)
     features: torch.Tensor  # [Bz*T, F*Ht]
     block_embeds: torch.Tensor  # [N, B, Hd]
     layout: BlockLayout
@@ -126,14 +127,21 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator:
     lpos = label_positions(anchors, B)[sup]  # [S] flat positions whose logits are the labels
     keep = torch.zeros(Bz * T, dtype=torch.bool, device=dev)
     keep[lpos] = True
+    # overlapping blocks share label positions: the head runs once per distinct position
+    row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row among the kept positions
     if cached is None:
         out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep.view(Bz, T))
-        row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row of out.logits
         labels, feats = out.logits[row_of[lpos]], out.features.reshape(Bz * T, -1)
     else:
-        feats_c, final = (t.to(dev) for t in cached)
+        feats_c, final = (t.to(dev) for t in cached[:2])
+        rows = drafter.vocab_rows
         with torch.no_grad():
-            labels = target.head(final.reshape(Bz * T, -1)[lpos].to(target.dtype))
+            hidden = final.reshape(Bz * T, -1)[keep].to(target.dtype)
+            if len(cached) > 2 and rows is not None:  # the full-vocabulary argmax is known: draft rows only
+                top = cached[2].to(dev).reshape(Bz * T)[lpos]
+                labels = RestrictedLabels(target.head(hidden, rows)[row_of[lpos]], top)
+            else:
+                labels = target.head(hidden)[row_of[lpos]]
         feats = feats_c.reshape(Bz * T, -1)
     embeds = target.embed(block_input_ids(flat.input_ids, anchors, B, drafter.mask_token_id))  # [N, B, Hd]
     return Prepared(anchors, sup, labels, feats, embeds, BlockLayout(flat.document_ids, flat.position_ids, anchors, B))
