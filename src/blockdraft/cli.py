@@ -164,7 +164,7 @@ def _add_train(sub) -> None:
     t.add_argument("--layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
     t.add_argument("--max-anchors", type=int, default=128, help="anchors per packed row")
     t.add_argument("--max-length", type=int, default=1024, help="packed row length in tokens")
-    t.add_argument("--max-rows", type=int, default=64,
+    t.add_argument("--max-rows", type=int, default=128,
                    help="train on at most this many packed rows (default keeps a 2-core CPU run under 15 "
                         "minutes; 0 = all)")
     _add_train_schedule(t)
