@@ -71,20 +71,13 @@ def _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab):
     if isinstance(target_logits, RestrictedLabels):
         if draft_vocab is None or target_logits.logits.shape[-1] != len(draft_vocab):
             raise ValueError("restricted labels need the draft vocabulary they were restricted to")
-        if kind == "hard":
-            inside = torch.zeros(int(max(draft_vocab.max(), target_logits.top.max())) + 1, dtype=torch.bool,
-                                 device=w.device)
-            inside[draft_vocab] = True
-            w = w * inside[target_logits.top]
-        return w, target_logits.top, target_logits.logits
-    target_top = target_logits.argmax(-1)
-    if draft_vocab is not None:
-        if kind == "hard":
-            inside = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=w.device)
-            inside[draft_vocab] = True
-            w = w * inside[target_top]
-        target_logits = target_logits[:, draft_vocab]
-    return w, target_top, target_logits
+        target_top, labels = target_logits.top, target_logits.logits
+    else:
+        target_top = target_logits.argmax(-1)
+        labels = target_logits if draft_vocab is None else target_logits[:, draft_vocab]
+    if draft_vocab is not None and kind == "hard":
+        w = w * torch.isin(target_top, draft_vocab)
+    return w, target_top, labels
 
 
 def _metrics(loss: torch.Tensor, hit: torch.Tensor, supervised: torch.Tensor) -> dict:
