@@ -78,25 +78,30 @@ def shard_drafter(drafter) -> None:
     fully_shard(drafter)
 
 
-def is_sharded(module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
 def _param_names(module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad]
 
 
-def full_state(drafter, optimizer) -> tuple[dict, dict]:
-    """(drafter state dict, optimizer state dict keyed by parameter index) with full tensors on
-    the CPU of rank 0 (other ranks get two empty dicts). A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(drafter, options=opts)
-    named = get_optimizer_state_dict(drafter, optimizer, options=opts)
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(drafter) -> dict:
+    """The drafter's state dict with full tensors on the CPU of rank 0 (other ranks get an empty
+    dict). A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(drafter, options=_full_options())
+
+
+def full_state(drafter, optimizer) -> tuple[dict, dict]:
+    """(full_model_state, optimizer state dict keyed by parameter index), as full_model_state."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model_sd = full_model_state(drafter)
+    named = get_optimizer_state_dict(drafter, optimizer, options=_full_options())
     if world()[0] != 0:
         return {}, {}
     index = {n: i for i, n in enumerate(_param_names(drafter))}

@@ -150,9 +150,9 @@ class Trainer:
         if not self.fsdp:
             return self.drafter
         from ..model import DFlashDrafter
-        from .distributed import full_state
+        from .distributed import full_model_state
 
-        sd, _ = full_state(self.drafter, self.opt)
+        sd = full_model_state(self.drafter)
         if self.rank != 0:
             return None
         plain = DFlashDrafter(self.drafter.config)
