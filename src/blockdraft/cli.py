@@ -56,10 +56,8 @@ def cmd_train(args) -> int:
 
 def _load_pair(args):
     from .checkpoint import load_drafter
-    from .target import TargetModel
+    from .target import TargetModel, target_num_layers
     from .train.run import pick_device, spread_kwargs
-
-    from .target import target_num_layers
 
     device = pick_device(args.device)
     drafter = load_drafter(args.drafter, device=device, num_target_layers=target_num_layers(args.target))

@@ -11,8 +11,8 @@ new drafter context.
 
 `draft_threshold` > 0 verifies only the drafts up to the first slot whose top draft probability
 falls below it (at least one): verifying fewer tokens is cheaper, and since the cut depends only
-on the drafter's distributions (all computed before any draw), the output is unchanged (greedy: still the target's
-own tokens; sampling: still exact speculative sampling over a shorter draft).
+on the drafter's distributions (all computed before any draw), the output is unchanged (greedy:
+still the target's own tokens; sampling: still exact speculative sampling over a shorter draft).
 """
 
 from __future__ import annotations

@@ -144,14 +144,19 @@ def run_extract(args) -> str:
     return str(out)
 
 
+def norm_scale(norm) -> torch.Tensor:
+    """The multiplier an RMSNorm applies after normalising: its weight, or 1 + weight for Gemma's."""
+    w = norm.weight.float()
+    return 1 + w if "Gemma" in type(norm).__name__ else w
+
+
 @torch.no_grad()
 def init_final_norm_from_target(drafter, target) -> None:
     """Start the drafter's output scale at the target's own final-norm scale (Gemma norms scale by 1 + w)."""
     norm = getattr(target._base(), "norm", None)
     if norm is None or norm.weight.is_meta or norm.weight.shape != drafter.norm.weight.shape:
         raise ValueError("the target has no final norm of the drafter's width; use --final-norm-init small")
-    w = norm.weight.float()
-    drafter.norm.weight.copy_(1 + w if "Gemma" in type(norm).__name__ else w)
+    drafter.norm.weight.copy_(norm_scale(norm))
 
 
 @torch.no_grad()
@@ -174,8 +179,7 @@ def init_context_from_top_feature(drafter, target) -> None:
     w = torch.zeros_like(drafter.fc.weight)
     w[:, -Ht:] = torch.eye(Ht, dtype=w.dtype)
     drafter.fc.weight.copy_(w)
-    scale = ln.weight.float()
-    drafter.hidden_norm.weight.copy_(1 + scale if "Gemma" in type(ln).__name__ else scale)
+    drafter.hidden_norm.weight.copy_(norm_scale(ln))
 
 
 def layer_layout(args) -> dict:
