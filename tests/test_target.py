@@ -169,14 +169,43 @@ def test_a_target_spread_by_device_map_gives_the_same_features_labels_and_loss(t
     assert torch.equal(la, lb)
 
 
-def test_few_rows_head_equals_the_linear_layer():
-    from blockdraft.target import few_rows_linear
+@pytest.mark.parametrize("threads", [1, 2])
+def test_few_rows_linear_equals_the_linear_layer(threads):
+    from blockdraft.model.linear import few_rows_limit, few_rows_linear
 
-    w, bias = torch.randn(5000, 48), torch.randn(5000)
-    for n in (1, 2, 3, 8, 9):
-        x = torch.randn(1, n, 48)
-        torch.testing.assert_close(few_rows_linear(x, w, bias), torch.nn.functional.linear(x, w, bias),
-                                   rtol=1e-5, atol=1e-5)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert few_rows_limit() == (4 if threads == 1 else 8)
+        w, bias = torch.randn(5000, 48), torch.randn(5000)
+        for n in range(1, 11):
+            for x in (torch.randn(1, n, 48), torch.randn(48, n).T):  # contiguous and transposed input
+                y = few_rows_linear(x, w, bias)
+                assert y.is_contiguous() and y.shape == (*x.shape[:-1], 5000)
+                torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_target_linears_are_routed_and_copies_keep_their_own_weights():
+    import copy
+
+    from blockdraft.model.linear import FewRowsLinear
+
+    t = tiny_target("llama")
+    lins = [m for m in t.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert lins and all(type(m) is FewRowsLinear for m in lins)
+    ids = torch.randint(0, t.vocab_size, (1, 3))
+    before = t(ids).logits
+    clone = copy.deepcopy(t)
+    with torch.no_grad():
+        for m in clone.model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.zero_()
+    assert torch.equal(t(ids).logits, before)  # the original is untouched by the copy's weights
+    for m in lins:
+        m.__class__ = torch.nn.Linear  # the stock kernel, as a reference
+    torch.testing.assert_close(before, t(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_draft_rows_of_the_head_follow_a_changed_vocabulary():

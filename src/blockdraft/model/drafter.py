@@ -17,6 +17,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from ..config import DrafterConfig
 from .attention import BlockLayout
 from .layers import DFlashDecoderLayer
+from .linear import use_few_rows_linears
 
 
 class DFlashDrafter(nn.Module):
@@ -38,6 +39,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab = nn.Buffer(torch.arange(n_draft, dtype=torch.long), persistent=n_draft > 0)
         self.gradient_checkpointing = False
         self.reset_parameters()
+        use_few_rows_linears(self)  # drafting projects 1-3 new context rows per step
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -68,6 +70,12 @@ class DFlashDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def causal_in_block(self) -> bool:
+        """Every layer's block rows see only earlier block rows: slot k's draft is then the same
+        whether or not the slots after it are computed."""
+        return all(layer.self_attn.causal_in_block for layer in self.layers)
 
     @property
     def mask_token_id(self) -> int:
