@@ -33,8 +33,8 @@ def oracle(truth, corrupt_every):
     """A proposer that drafts the target's true continuation, wrong every `corrupt_every`-th slot."""
     calls = {"n": 0}
 
-    def propose(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen):
-        spec_real(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen)
+    def propose(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen, threshold=0.0):
+        spec_real(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen, threshold)
         start = anchor_pos + 1 - prompt_len[0]
         picks = []
         for k in range(1, block.shape[0]):
@@ -102,6 +102,43 @@ def test_real_drafter_with_threshold_is_lossless(threshold):
     t, d = pair("qwen3", 6)
     ids = torch.randint(0, V - 1, (1, 10))
     assert speculative_generate(t, d, ids, max_new_tokens=30, draft_threshold=threshold).tokens == reference(t, ids, 30)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_threshold_drafts_a_few_slots_at_a_time_with_the_full_blocks_results(causal):
+    """With a threshold, the first FIRST_SLOTS slots are scored first (an in-block-causal drafter also
+    runs only those rows), the rest only if none of them is low; what comes back equals the whole
+    block's drafts."""
+    import copy
+
+    t, d = pair("llama", 12, layer_types=["sliding_attention"] * 2, sliding_window=8, sliding_causal_in_block=causal)
+    assert d.causal_in_block is causal
+    feats, T = torch.randn(15, d.config.feature_size), 15
+    block = torch.full((12,), d.mask_token_id)
+    block[0] = 3
+    base = d.new_context_cache()
+    with torch.no_grad():
+        d.draft_hidden(feats[:10], torch.arange(10), t.embed(block), 10, base)  # some context already cached
+        args = (t, d, block, feats[10:], torch.arange(10, T), T, None, 0.0, 1.0, None)
+
+        def run(threshold):
+            ctx = copy.deepcopy(base)
+            a = list(args)
+            a[6] = ctx
+            return spec_real(*a, threshold), len(ctx)
+
+        (picks, _, conf), n_ctx = run(0.0)
+        assert len(picks) == 11 and n_ctx == T
+        order = conf.sort().values
+        for j in range(11):  # first low slot at j
+            thr = float(conf[j]) + 1e-6
+            first_low = int((conf < thr).nonzero()[0, 0])
+            got, _, got_conf = (r := run(thr))[0]
+            n = spec.FIRST_SLOTS if first_low < spec.FIRST_SLOTS else 11
+            assert r[1] == T  # the new context rows went into the cache once
+            assert torch.equal(got, picks[:n])
+            torch.testing.assert_close(got_conf, conf[:n], rtol=1e-4, atol=1e-6)
+        assert len(run(float(order[0]) / 2)[0][0]) == 11  # no slot below: every slot scored
 
 
 def test_stop_tokens_and_length():
