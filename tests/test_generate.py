@@ -141,6 +141,62 @@ def test_threshold_drafts_a_few_slots_at_a_time_with_the_full_blocks_results(cau
         assert len(run(float(order[0]) / 2)[0][0]) == 11  # no slot below: every slot scored
 
 
+def test_ngram_index_finds_the_latest_earlier_occurrence():
+    """Against a brute-force backward search, as tokens are appended one by one and in chunks."""
+    from blockdraft.generate.lookup import NgramIndex
+
+    def brute(seq, k, max_n):
+        L = len(seq)
+        for n in range(min(max_n, L), 0, -1):
+            for start in range(L - n - 1, -1, -1):  # the match must end before the last token
+                if seq[start:start + n] == seq[L - n:]:
+                    return seq[start + n:start + n + k]
+        return []
+
+    g = torch.Generator().manual_seed(0)
+    for max_n in (1, 2, 3):
+        seq = torch.randint(0, 6, (5,), generator=g).tolist()
+        idx = NgramIndex(seq, max_n)
+        hits = 0
+        while len(seq) < 120:
+            for k in (1, 3):
+                got = idx.propose(k)
+                assert got == brute(seq, k, max_n)
+                hits += bool(got)
+            new = torch.randint(0, 6, (int(torch.randint(1, 4, (), generator=g)),), generator=g).tolist()
+            seq += new
+            idx.extend(new)
+        assert hits > 50
+    assert NgramIndex([7], 3).propose(4) == [] and NgramIndex([7, 7], 3).propose(4) == [7]
+    with pytest.raises(ValueError, match="n-gram"):
+        NgramIndex([1], 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("lookup,threshold", [(1, 0.0), (3, 0.0), (8, 0.3)])
+def test_greedy_with_prompt_lookup_equals_the_targets_own_decoding(monkeypatch, arch, lookup, threshold):
+    t, d = pair(arch, 6)
+    base = torch.randint(0, V - 1, (1, 8))
+    ids = torch.cat([base, base, base[:, :5]], 1)  # repeats: the lookup finds matches
+    ref = reference(t, ids, 40)
+    fed = []  # context positions handed to the drafter, step by step
+
+    def recording(target, drafter, block, new_feats, new_pos, *rest):
+        assert new_feats.shape[0] == new_pos.shape[0]
+        fed.extend(new_pos.tolist())
+        return spec_real(target, drafter, block, new_feats, new_pos, *rest)
+
+    monkeypatch.setattr(spec, "_propose", recording)
+    res = speculative_generate(t, d, ids, max_new_tokens=40, lookup=lookup, draft_threshold=threshold)
+    assert res.tokens == ref
+    assert res.lookup_steps > 0 and max(res.verified) <= 6
+    assert 0 < res.lookup_steps < len(res.verified)  # both proposers were used
+    # rows committed during copied steps wait for the drafter's next step: each position once, in order
+    assert fed == list(range(len(fed)))
+    with pytest.raises(ValueError, match="lookup"):
+        speculative_generate(t, d, ids, max_new_tokens=4, lookup=-1)
+
+
 def test_stop_tokens_and_length():
     t, d = pair("qwen3", 4)
     ids = torch.randint(0, V - 1, (1, 7))
@@ -171,18 +227,21 @@ def test_cached_drafting_equals_the_training_forward():
     torch.testing.assert_close(cached, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_sampling_follows_the_targets_distribution():
-    """Chi-square test of the second generated token (the first one the drafter proposes) against the
-    target's own marginal sum_f p(f | prompt) p(. | prompt, f)."""
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_sampling_follows_the_targets_distribution(lookup):
+    """Chi-square test of the second generated token (the first one drafted) against the target's own
+    marginal sum_f p(f | prompt) p(. | prompt, f). With lookup, the prompt holds every token, so
+    the second token is always a copied (one-hot) draft."""
     t, d = pair("llama", 4, seed=3)
     with torch.no_grad():
         t.model.get_output_embeddings().weight.div_(4)  # a flatter target: many tokens with real mass
         d.norm.weight.mul_(300)  # a sharp drafter, far from the target: a wrong acceptance rule shows
-    ids = torch.randint(0, V - 1, (1, 6))
+    ids = torch.randint(0, V - 1, (1, 6)) if not lookup else torch.randperm(V)[None]
     temp, n = 1.0, 1500
     counts = torch.zeros(V)
     for i in range(n):
-        res = speculative_generate(t, d, ids, max_new_tokens=2, temperature=temp, seed=i)
+        res = speculative_generate(t, d, ids, max_new_tokens=2, temperature=temp, seed=i, lookup=lookup)
+        assert res.lookup_steps == (1 if lookup else 0)
         counts[res.tokens[1]] += 1
     with torch.no_grad():
         p_first = torch.softmax(t.model(ids).logits[0, -1] / temp, -1)  # [V]

@@ -91,7 +91,7 @@ def cmd_generate(args) -> int:
     res = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_p=args.top_p, block_size=args.block_size,
                                stop_token_ids=stop_token_ids(tok), seed=args.seed, on_tokens=stream,
-                               draft_threshold=args.draft_threshold)
+                               draft_threshold=args.draft_threshold, lookup=args.lookup)
     dt = res.time_total - res.time_prefill
     print(f"\n\n[tau {res.tau:.2f} | {len(res.tokens)} tokens | {(len(res.tokens) - 1) / max(dt, 1e-9):.1f} tok/s "
           f"after a {res.time_prefill:.2f}s prefill]", file=sys.stderr)
@@ -106,7 +106,8 @@ def cmd_bench(args) -> int:
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     results = run_bench(target, drafter, sets, args.n, max_new_tokens=args.max_new_tokens,
                         block_size=args.block_size, json_path=args.json, plot_path=args.plot,
-                        progress=not args.no_progress, draft_threshold=args.draft_threshold)
+                        progress=not args.no_progress, draft_threshold=args.draft_threshold,
+                        lookup=args.lookup)
     print(f"{'set':10} {'n':>3} {'tau':>5} {'target t/s':>10} {'spec t/s':>9} {'speedup':>7} {'ceiling':>7} "
           f"{'lookup':>6} identical")
     for r in results:
@@ -270,8 +271,15 @@ def _add_generate(sub) -> None:
     g.add_argument("--draft-threshold", type=float, default=0.0,
                    help="verify only the drafts up to the first slot whose top draft probability is below this "
                         "(0: the whole block); cheaper verification, same output")
+    _lookup_arg(g)
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
+
+
+def _lookup_arg(p) -> None:
+    p.add_argument("--lookup", type=int, default=0, metavar="K",
+                   help="prompt lookup beside the drafter: when the last tokens occurred earlier, verify up to K "
+                        "tokens that followed them instead of the drafter's block (0: off; 3 suits a CPU)")
 
 
 def _add_bench(sub) -> None:
@@ -285,6 +293,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--draft-threshold", type=float, default=0.0,
                    help="verify only the drafts up to the first slot whose top draft probability is below this "
                         "(0: the whole block); cheaper verification, same output")
+    _lookup_arg(b)
     b.add_argument("--json", default=None)
     b.add_argument("--plot", default=None)
     b.add_argument("--no-progress", action="store_true")

@@ -29,7 +29,8 @@ def lookup_generate(target, ids, max_new_tokens, stops, lookup_tokens):
 
 
 def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_size: int | None,
-              lookup_tokens: int = 10, progress: bool = True, draft_threshold: float = 0.0) -> dict:
+              lookup_tokens: int = 10, progress: bool = True, draft_threshold: float = 0.0,
+              lookup: int = 0) -> dict:
     from tqdm.auto import tqdm
 
     prompts = load_prompt_set(name, n)
@@ -41,7 +42,7 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
         ids = encode(target.tokenizer, msgs)
         base = target_greedy(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
         spec = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                                    block_size=block_size, draft_threshold=draft_threshold)
+                                    block_size=block_size, draft_threshold=draft_threshold, lookup=lookup)
         look, t_look = lookup_generate(target, ids, max_new_tokens, stops, lookup_tokens)
         identical &= base.tokens == spec.tokens
         hist.update(spec.accepted)
@@ -52,6 +53,7 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
         agg["spec_time"] += spec.time_total - spec.time_prefill
         agg["spec_steps"] += len(spec.accepted)
         agg["verified"] += sum(spec.verified)
+        agg["copied_steps"] += spec.lookup_steps
         agg["t_draft"] += spec.time_draft
         agg["t_verify"] += spec.time_verify
         agg["look_tokens"] += len(look)
@@ -67,6 +69,7 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
     return {
         "set": name, "n_prompts": len(prompts), "block_size": block_size or drafter.block_size, "tau": tau,
         "draft_threshold": draft_threshold, "mean_verified": agg["verified"] / steps,
+        "lookup": lookup, "copied_step_frac": agg["copied_steps"] / steps,
         "target_tok_s": base_tps, "spec_tok_s": spec_tps, "speedup": spec_tps / max(1e-9, base_tps),
         "identical": bool(identical),
         "lookup_speedup": (agg["look_tokens"] / max(1e-9, agg["look_time"])) /
@@ -96,9 +99,10 @@ def plot_hist(results: list[dict], path) -> None:
 
 
 def run_bench(target, drafter, sets: list[str], n: int, *, max_new_tokens: int = 256, block_size=None,
-              json_path=None, plot_path=None, progress: bool = True, draft_threshold: float = 0.0) -> list[dict]:
+              json_path=None, plot_path=None, progress: bool = True, draft_threshold: float = 0.0,
+              lookup: int = 0) -> list[dict]:
     results = [bench_set(target, drafter, s, n, max_new_tokens=max_new_tokens, block_size=block_size,
-                         progress=progress, draft_threshold=draft_threshold) for s in sets]
+                         progress=progress, draft_threshold=draft_threshold, lookup=lookup) for s in sets]
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)

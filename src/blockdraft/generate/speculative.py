@@ -13,6 +13,11 @@ new drafter context.
 falls below it (at least one): verifying fewer tokens is cheaper, and since the cut depends only
 on the drafter's distributions (all computed before any draw), the output is unchanged (greedy:
 still the target's own tokens; sampling: still exact speculative sampling over a shorter draft).
+
+`lookup` > 0 adds prompt lookup (`lookup.py`): when the last few committed tokens occurred
+earlier, up to `lookup` tokens that followed them are verified instead of the drafter's block,
+and the drafter is not run that step (its new context rows wait for its next step). The draft
+distribution of a copied token is one-hot, so speculative sampling stays exact.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampled, sampling_probs
+from .lookup import NgramIndex
 
 
 @dataclass
@@ -35,6 +41,7 @@ class GenerationResult:
     time_verify: float = 0.0
     time_prefill: float = 0.0
     time_total: float = 0.0
+    lookup_steps: int = 0  # verify steps whose drafts were copied from the text (prompt lookup)
 
     @property
     def tau(self) -> float:
@@ -88,11 +95,16 @@ def _validate(target, drafter, input_ids, max_new_tokens, block_size, temperatur
 @torch.no_grad()
 def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
                          top_p: float = 1.0, stop_token_ids=None, block_size: int | None = None,
-                         seed: int | None = None, on_tokens=None, draft_threshold: float = 0.0) -> GenerationResult:
-    """Generate with the drafter; the output follows the target exactly (greedy: token for token)."""
+                         seed: int | None = None, on_tokens=None, draft_threshold: float = 0.0,
+                         lookup: int = 0, lookup_ngram: int = 3) -> GenerationResult:
+    """Generate with the drafter; the output follows the target exactly (greedy: token for token).
+    `lookup`: most tokens copied per step by prompt lookup (0: off), matching the last
+    `lookup_ngram` tokens first, then shorter suffixes down to one token."""
     B = _validate(target, drafter, input_ids, max_new_tokens, block_size, temperature, top_p)
     if not 0.0 <= draft_threshold < 1.0:
         raise ValueError(f"draft_threshold must be in [0, 1), got {draft_threshold}")
+    if lookup < 0:
+        raise ValueError(f"lookup must be >= 0 tokens, got {lookup}")
     gen = torch.Generator(device=target.device)
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
     stops = set(stop_token_ids or [])
@@ -111,6 +123,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
         on_tokens(committed[:])
     new_feats, new_pos = out.features[0], torch.arange(P, device=dev)  # context rows not yet in the drafter
     ctx = drafter.new_context_cache()
+    index = NgramIndex(ids[0].tolist() + committed, lookup_ngram) if lookup > 0 else None
     mask_id = drafter.mask_token_id
     while len(committed) < max_new_tokens and committed[-1] not in stops:
         L = P + len(committed)  # tokens so far; the last one (position L-1) has no features yet
@@ -119,7 +132,16 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
         block = torch.full((b,), mask_id, dtype=torch.long, device=dev)
         block[0] = committed[-1]
         draft_q = None
-        if b > 1:
+        copied = index.propose(min(lookup, b - 1)) if index is not None and b > 1 else []
+        drafted = b > 1 and not copied
+        if copied:
+            b = 1 + len(copied)
+            block = block[:b]
+            block[1:] = torch.tensor(copied, device=dev)
+            if temperature > 0:
+                draft_q = torch.nn.functional.one_hot(block[1:], target.vocab_size).float()
+            res.lookup_steps += 1
+        elif drafted:
             drafts, draft_q, conf = _propose(target, drafter, block, new_feats, new_pos, L - 1, ctx,
                                              temperature, top_p, gen, draft_threshold)
             if draft_threshold > 0:
@@ -140,9 +162,15 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
             m, nxt = accept_greedy(block[1:], out.logits[0])
         new = block[1:1 + m].tolist() + [int(nxt)]
         target.crop_cache(cache, L + m)  # keep positions 0 .. L-1+m: the anchor and the accepted drafts
-        new_feats, new_pos = out.features[0, :m + 1], torch.arange(L - 1, L + m, device=dev)
+        fresh, fresh_pos = out.features[0, :m + 1], torch.arange(L - 1, L + m, device=dev)
+        if drafted:  # the drafter took the earlier rows into its cache this step
+            new_feats, new_pos = fresh, fresh_pos
+        else:
+            new_feats, new_pos = torch.cat([new_feats, fresh]), torch.cat([new_pos, fresh_pos])
         new = _truncate(new, stops, max_new_tokens - len(committed))
         committed += new
+        if index is not None:
+            index.extend(new)
         res.accepted.append(len(new))
         res.verified.append(b)
         if on_tokens:
