@@ -328,6 +328,9 @@ def test_the_default_drafter_loads_and_is_lossless(smollm2_dir):
     ref = target_greedy(t, ids, max_new_tokens=48, stop_token_ids=stop_ids(t.tokenizer))
     got = speculative_generate(t, d, ids, max_new_tokens=48, stop_token_ids=stop_ids(t.tokenizer))
     assert got.tokens == ref.tokens
+    both = speculative_generate(t, d, ids, max_new_tokens=48, stop_token_ids=stop_ids(t.tokenizer), lookup=3,
+                                draft_threshold=0.3)
+    assert both.tokens == ref.tokens and both.lookup_steps > 0
     assert got.tau > 1.0  # a trained drafter gets some drafts accepted
 
 
