@@ -15,7 +15,6 @@ import json
 import time
 
 
-
 def main() -> None:
     import torch
     import torch.nn as nn

@@ -33,7 +33,7 @@ class NgramIndex:
         for end in range(self._indexed, L - 1):
             for n in range(1, min(self.max_n, end + 1) + 1):
                 self._last_end[n][tuple(seq[end - n + 1:end + 1])] = end
-        self._indexed = max(self._indexed, L - 1)
+        self._indexed = L - 1
         if k <= 0:
             return []
         for n in range(min(self.max_n, L), 0, -1):

@@ -201,17 +201,13 @@ def _propose(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temper
     # a drafter whose block attention is not causal must see the whole block at once
     rows_run = n if drafter.causal_in_block else b
     hidden = drafter.draft_hidden(new_feats.to(dt), new_pos, embeds[:rows_run], anchor_pos, ctx)
-    parts, done = [], 1
-    while True:
-        parts.append(_score(target, drafter, hidden[done:n], temperature, top_p, gen))
-        done = n
-        if n == b or bool((parts[-1][2] < draft_threshold).any()):
-            break
-        n = b
-        if hidden.shape[0] < b:  # the context rows are already in `ctx`: none are added again
-            hidden = drafter.draft_hidden(new_feats[:0].to(dt), new_pos[:0], embeds, anchor_pos, ctx)
-    picks, qs, conf = (torch.cat(x) if x[0] is not None else None for x in zip(*parts))
-    return picks, qs, conf
+    first = _score(target, drafter, hidden[1:n], temperature, top_p, gen)
+    if n == b or bool((first[2] < draft_threshold).any()):
+        return first
+    if hidden.shape[0] < b:  # the context rows are already in `ctx`: none are added again
+        hidden = drafter.draft_hidden(new_feats[:0].to(dt), new_pos[:0], embeds, anchor_pos, ctx)
+    rest = _score(target, drafter, hidden[n:], temperature, top_p, gen)
+    return tuple(None if a is None else torch.cat([a, c]) for a, c in zip(first, rest))
 
 
 def _score(target, drafter, hidden, temperature, top_p, gen):
