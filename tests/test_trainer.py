@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockdraft.checkpoint import load_drafter, save_drafter
-from blockdraft.checkpoint.native import atomic_dir, recover_dir
+from blockdraft.atomic import atomic_dir, recover_dir
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.train import Batch, compute_loss, dflash_loss
@@ -155,119 +155,6 @@ def test_training_lowers_the_held_out_loss(tmp_path):
     evals = [r for r in recs if "eval_loss" in r]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert (tmp_path / "drafter" / "config.json").exists() and summary["step"] == 12
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_convert_round_trips_are_bit_identical(tmp_path, causal):
-    from blockdraft.checkpoint.native import convert
-
-    t = tiny_target("qwen3")
-    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=2, block_size=5, sliding_window=8,
-                                               layer_types=["sliding_attention", "full_attention"],
-                                               sliding_causal_in_block=causal))
-    save_drafter(d, tmp_path / "native")
-    zl = json.loads((tmp_path / "native" / "config.json").read_text())
-    assert zl["architectures"] == ["DFlashDraftModel"]
-    assert zl["dflash_config"] == {"mask_token_id": d.config.mask_token_id, "target_layer_ids": t.layer_ids}
-    assert zl["num_target_layers"] == t.num_layers and zl["block_size"] == 5
-    convert(tmp_path / "native", tmp_path / "spec", "speculators")
-    sp = json.loads((tmp_path / "spec" / "config.json").read_text())
-    assert sp["aux_hidden_state_layer_ids"] == [i + 1 for i in t.layer_ids]  # the input of the next layer
-    assert sp["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
-    assert sp["sliding_window_non_causal"] is (not causal)
-    assert sp["transformer_layer_config"]["layer_types"] == ["sliding_attention", "full_attention"]
-    convert(tmp_path / "spec", tmp_path / "back", "zlab")
-    a, b = load_drafter(tmp_path / "native"), load_drafter(tmp_path / "back")
-    assert a.config == b.config
-    sa = load_file(str(tmp_path / "native" / "model.safetensors"))
-    sb = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    batch = Batch(torch.randint(0, V - 1, (1, 30)), torch.ones(1, 30, dtype=torch.long))
-    la, _ = compute_loss(t, a, batch, max_anchors=6, generator=torch.Generator().manual_seed(0))
-    lb, _ = compute_loss(t, b, batch, max_anchors=6, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(la, lb)
-
-
-def test_imports_a_published_zlab_directory(tmp_path):
-    """A directory shaped like the reference release: Qwen3 fields, dflash_config, no blockdraft key."""
-    t = tiny_target("llama")
-    H, heads, kv, hd, inter = 32, 4, 2, 8, 64
-    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "num_hidden_layers": 1,
-           "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
-           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512, "vocab_size": V,
-           "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-           "block_size": 4, "num_target_layers": 6,
-           "dflash_config": {"mask_token_id": V - 1, "target_layer_ids": t.layer_ids}}
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape):
-        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
-
-    sd = {"fc.weight": w(H, 3 * H), "hidden_norm.weight": torch.ones(H, dtype=torch.bfloat16),
-          "norm.weight": torch.ones(H, dtype=torch.bfloat16)}
-    p = "layers.0."
-    sd.update({p + "self_attn.q_proj.weight": w(heads * hd, H), p + "self_attn.k_proj.weight": w(kv * hd, H),
-               p + "self_attn.v_proj.weight": w(kv * hd, H), p + "self_attn.o_proj.weight": w(H, heads * hd),
-               p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-               p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-               p + "mlp.gate_proj.weight": w(inter, H), p + "mlp.up_proj.weight": w(inter, H),
-               p + "mlp.down_proj.weight": w(H, inter), p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
-               p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16)})
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    save_file(sd, str(tmp_path / "model.safetensors"))
-    d = load_drafter(tmp_path)
-    assert d.config.target_layer_ids == t.layer_ids and d.config.block_size == 4
-    assert torch.equal(d.fc.weight, sd["fc.weight"].float())
-    from blockdraft.generate import speculative_generate
-
-    ids = torch.randint(0, V - 1, (1, 8))
-    ref = t.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 8:].tolist()
-    assert speculative_generate(t, d, ids, max_new_tokens=12).tokens == ref
-
-
-def test_imports_a_published_speculators_directory(tmp_path):
-    """vLLM's speculators layout: ids one higher, the layer config nested, no target layer count."""
-    t = tiny_target("qwen3")
-    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
-    save_drafter(d, tmp_path / "native")
-    cfg = d.config
-    published = {
-        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-        "aux_hidden_state_layer_ids": [i + 1 for i in t.layer_ids], "block_size": 4,
-        "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.vocab_size,
-        "target_hidden_size": cfg.target_hidden_size, "sample_from_anchor": False, "sliding_window_non_causal": True,
-        "transformer_layer_config": {"model_type": "qwen3", "hidden_size": cfg.hidden_size, "num_hidden_layers": 1,
-                                     "num_attention_heads": cfg.num_attention_heads,
-                                     "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                                     "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
-                                     "rope_theta": cfg.rope_theta, "max_position_embeddings": 512,
-                                     "vocab_size": cfg.vocab_size, "hidden_act": "silu", "attention_bias": False},
-        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
-                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-                               "verifier": {"name_or_path": "some/target", "architectures": ["Qwen3ForCausalLM"]}},
-    }
-    (tmp_path / "pub").mkdir()
-    (tmp_path / "pub" / "config.json").write_text(json.dumps(published))
-    (tmp_path / "pub" / "model.safetensors").write_bytes((tmp_path / "native" / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match="num_target_layers"):
-        load_drafter(tmp_path / "pub")
-    back = load_drafter(tmp_path / "pub", num_target_layers=t.num_layers)
-    assert back.config.target_layer_ids == t.layer_ids and back.config.block_size == 4
-    from blockdraft.generate import speculative_generate
-
-    ids = torch.randint(0, V - 1, (1, 8))
-    ref = t.model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 8:].tolist()
-    assert speculative_generate(t, back, ids, max_new_tokens=10).tokens == ref
-
-
-def test_converting_a_draft_vocabulary_warns(tmp_path):
-    from blockdraft.checkpoint.native import convert
-
-    t = tiny_target("llama")
-    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=40))
-    save_drafter(d, tmp_path / "d")
-    with pytest.warns(UserWarning, match="full head"):
-        convert(tmp_path / "d", tmp_path / "s", "speculators")
 
 
 @pytest.mark.parametrize("keep", [True, False])

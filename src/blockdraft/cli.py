@@ -127,7 +127,10 @@ def cmd_extract(args) -> int:
 def cmd_convert(args) -> int:
     from .checkpoint.native import convert
 
-    print(f"wrote {convert(args.src, args.dst, args.to)} ({args.to} format)")
+    path, found = convert(args.src, args.dst, args.to, verifier=args.verifier, allow_mismatch=args.allow_mismatch)
+    for d in found:
+        print(f"blockdraft convert: warning: {d}", file=sys.stderr)
+    print(f"wrote {path} ({args.to} format)")
     return 0
 
 
@@ -184,6 +187,9 @@ def _add_train_schedule(t) -> None:
     t.add_argument("--sliding-layers", type=int, default=1)
     t.add_argument("--bidirectional-sliding", action="store_true",
                    help="sliding layers bidirectional inside the block (default: causal, as vLLM serves them)")
+    t.add_argument("--window-rule", choices=["query", "anchor"], default="query",
+                   help="how a sliding window is counted: from each query's own position, as dflash, vLLM and "
+                        "SGLang serve it (query), or from the block's anchor, as speculators trains (anchor)")
     t.add_argument("--draft-vocab", default="auto",
                    help="draft vocabulary size (most frequent training tokens), 'full', or 'auto' (8192 on CPU)")
     t.add_argument("--loss", choices=["kl", "soft", "hard"], default="kl")
@@ -242,10 +248,18 @@ def _add_extract(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    c = sub.add_parser("convert", help="rewrite a drafter checkpoint in the z-lab or speculators format")
-    c.add_argument("--to", choices=["zlab", "speculators"], required=True)
-    c.add_argument("src")
-    c.add_argument("dst")
+    from .checkpoint.formats import FORMATS
+
+    c = sub.add_parser("convert", help="write a drafter checkpoint for a consumer: " +
+                       "; ".join(f"{f.name} ({f.description})" for f in FORMATS.values()))
+    c.add_argument("--to", choices=list(FORMATS), required=True)
+    c.add_argument("--verifier", default=None, metavar="DIR",
+                   help="the target's local directory, named in the files and the source of a draft vocabulary's "
+                        "head rows (default: the directory of the target the drafter was trained for)")
+    c.add_argument("--allow-mismatch", action="store_true",
+                   help="write the files even where a serving engine would compute another function from them")
+    c.add_argument("src", help="drafter directory (any format), or 'default'")
+    c.add_argument("dst", help="a new or empty directory (one holding other files is refused)")
     c.set_defaults(fn=cmd_convert)
 
 

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 FORMAT_VERSION = 1
+# Sliding-window rules (clause 5; DESIGN.md section 2 has the engines' table). "query": the window
+# counts from each query's own position, as z-lab's dflash and vLLM serve it; "anchor": every slot
+# of a block sees the W positions before its anchor, as speculators trains (and blockdraft did
+# before the rule became a field, so configs without the field read as "anchor").
+WINDOW_QUERY = "query"
+WINDOW_ANCHOR = "anchor"
+WINDOW_RULES = (WINDOW_QUERY, WINDOW_ANCHOR)
+DEFAULT_WINDOW_RULE = WINDOW_QUERY
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -90,6 +98,8 @@ class DrafterConfig:
     sliding_window: int | None = None
     # Clause 5: whether sliding-window layers are causal inside the block.
     sliding_causal_in_block: bool = False
+    # Clause 5: how a sliding window is counted (WINDOW_RULES above).
+    sliding_window_rule: str = DEFAULT_WINDOW_RULE
     # --- block diffusion ---
     block_size: int = 16
     # Draft vocabulary: the drafter scores only these many rows of the target head (the most
@@ -99,7 +109,6 @@ class DrafterConfig:
     # --- provenance ---
     target_name: str | None = None
     tokenizer_hash: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -135,6 +144,8 @@ class DrafterConfig:
              f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         bad = sorted({t for t in self.layer_types if t not in (FULL, SLIDING)})
         need(not bad, f"unknown layer_types {bad}; use '{FULL}' or '{SLIDING}'")
+        need(self.sliding_window_rule in WINDOW_RULES,
+             f"unknown sliding_window_rule {self.sliding_window_rule!r}; use one of {WINDOW_RULES}")
         if SLIDING in self.layer_types:
             need(self.sliding_window is not None and self.sliding_window >= 1,
                  "sliding_attention layers need sliding_window >= 1")
@@ -154,6 +165,10 @@ class DrafterConfig:
 
     def layer_causal_in_block(self, layer_idx: int) -> bool:
         return self.layer_types[layer_idx] == SLIDING and self.sliding_causal_in_block
+
+    @property
+    def has_sliding(self) -> bool:
+        return SLIDING in self.layer_types
 
     # -------------------------------------------------------------- builders
     @classmethod

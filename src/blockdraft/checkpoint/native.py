@@ -1,69 +1,51 @@
-"""Drafter directories: config.json + model.safetensors, written atomically, read without pickle.
+"""Drafter directories: config.json + model.safetensors, written atomically, read without pickle,
+and exported to the ecosystem's formats (`formats/`).
 
-The target's embedding and lm_head are never stored. The feature scale used in training is
-folded into fc.weight, so the weights keep the reference (z-lab) layout.
+The target's embedding and lm_head are never stored natively; an export for an engine that
+needs the head's draft-vocabulary rows (vLLM, speculators) copies them from the verifier. The
+feature scale used in training is folded into fc.weight, so the weights keep the reference
+(z-lab) layout.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_dir
 from ..model import DFlashDrafter
-from .formats import config_from_json, detect, to_speculators, to_zlab
+from . import formats
+from .formats import Difference, Export
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+OWNED = (CONFIG, WEIGHTS)
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "assets" / "default-drafter"
 
 
-def atomic_dir(final: str | os.PathLike, write) -> Path:
-    """Call write(tmp_dir), then swap tmp_dir into place; a crash at any moment leaves either the
-    old directory or the new one complete (`final.old` is taken back by `recover_dir`)."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(final.name + ".tmp")
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write(tmp)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+def _state(drafter: DFlashDrafter, dtype: torch.dtype | None) -> dict:
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+            for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
 
 
-def recover_dir(final: str | os.PathLike) -> Path | None:
-    """The last complete directory: `final`, or `final.old` if a swap was interrupted."""
-    final = Path(final)
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        return final
-    if old.exists():
-        old.rename(final)
-        return final
-    return None
+def _write(directory, config: dict, sd: dict) -> Path:
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "blockdraft"})
+
+    need = sum(v.numel() * v.element_size() for v in sd.values()) + 2**20
+    return atomic_dir(directory, write, owned=OWNED, need_bytes=need)
 
 
 def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors (weights cast to `dtype` if given; ids stay integers)."""
-    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-          for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
-
-    def write(tmp: Path) -> None:
-        (tmp / CONFIG).write_text(json.dumps(to_zlab(drafter.config), indent=2) + "\n")
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "blockdraft"})
-
-    return atomic_dir(directory, write)
+    """Write config.json (z-lab layout) + model.safetensors (weights cast to `dtype` if given; ids stay
+    integers). A directory holding other files is refused, never overwritten."""
+    cfg = formats.get(formats.NATIVE).write_config(drafter.config, Export())
+    return _write(directory, cfg, _state(drafter, dtype))
 
 
 def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
@@ -78,14 +60,29 @@ def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
     return path
 
 
+def read_config(path: Path, num_target_layers: int | None = None):
+    try:
+        raw = json.loads((path / CONFIG).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / CONFIG} is not valid JSON ({e}); re-export or re-train the drafter") from None
+    return raw, formats.config_from_json(raw, num_target_layers)
+
+
+def read_weights(path: Path) -> dict:
+    try:
+        return load_file(str(path / WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path / WEIGHTS} is damaged or truncated ({e}); copy it again or re-train") from None
+
+
 def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dtype: torch.dtype = torch.float32,
                  num_target_layers: int | None = None) -> DFlashDrafter:
-    """Read a drafter directory (JSON + safetensors only). Missing or unknown weights are an error.
-    `num_target_layers` fills in what published speculators configs leave out."""
+    """Read a drafter directory of any registered format (JSON + safetensors only). Missing or unknown
+    weights are an error. `num_target_layers` fills in what published speculators configs leave out."""
     path = resolve_drafter(dir_or_name)
-    cfg = config_from_json(json.loads((path / CONFIG).read_text()), num_target_layers)
+    _, cfg = read_config(path, num_target_layers)
     drafter = DFlashDrafter(cfg)
-    sd = load_file(str(path / WEIGHTS))
+    sd = formats.native_weights(read_weights(path), cfg)
     expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb")}
     missing, unknown = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unknown:
@@ -93,32 +90,66 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dty
     if sd["fc.weight"].shape[1] != cfg.feature_size:
         raise ValueError(f"fc.weight takes {sd['fc.weight'].shape[1]} inputs but the config's "
                          f"{cfg.num_features} target layers x {cfg.target_hidden_size} give {cfg.feature_size}")
-    drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
+    try:
+        drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise ValueError(f"{path / WEIGHTS} does not fit its config: {str(e).splitlines()[-1].strip()}") from None
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> Path:
-    """Rewrite a drafter directory's config in another format; the weights are copied bit for bit."""
+def default_verifier(target_name: str | None) -> str | None:
+    """The local directory of the target a drafter was trained for, when it can be found offline."""
+    from ..target import EMBEDDED, resolve_target
+
+    if not target_name:
+        return None
+    if target_name in EMBEDDED or Path(target_name).is_dir():
+        return str(resolve_target(target_name)[0])
+    return None
+
+
+def head_rows(verifier: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the verifier's output head, read from its safetensors (tied heads: the embedding)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(verifier).glob("*.safetensors"))
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                if name in fh.keys():
+                    return fh.get_tensor(name)[ids].float()
+    raise ValueError(f"{verifier} has no lm_head.weight or embed_tokens.weight in its safetensors files")
+
+
+def export_drafter(drafter: DFlashDrafter, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
+                   allow_mismatch: bool = False) -> tuple[Path, list[Difference]]:
+    """Write `drafter` in format `to`. Returns the directory and the consumers that compute another
+    function from it; a serving engine among them is refused unless `allow_mismatch`."""
+    fmt = formats.get(to)
+    cfg = drafter.config
+    found = fmt.differences(cfg)
+    serving = [d for d in found if d.refuse]
+    if serving and not allow_mismatch:
+        raise ValueError(f"the {to} files would be served as another function: " + "; ".join(map(str, serving))
+                         + ". Retrain for the engine (e.g. --window-rule query) or pass --allow-mismatch")
+    verifier = verifier or default_verifier(cfg.target_name)
+    sd = _state(drafter, None)
+    rows = head_rows(verifier, sd["draft_vocab"]).to(sd["fc.weight"].dtype) if cfg.draft_vocab_size and verifier \
+        else None
+    ex = Export(verifier=verifier, head_rows=rows)
+    out = fmt.write_config(cfg, ex)
+    return _write(dst, out, fmt.write_weights(sd, cfg, ex)), found
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
+            allow_mismatch: bool = False, num_target_layers: int | None = None) -> tuple[Path, list[Difference]]:
+    """Rewrite a drafter directory in another format; the trained tensors are copied bit for bit."""
     path = resolve_drafter(src)
-    raw = json.loads((path / CONFIG).read_text())
-    cfg = config_from_json(raw)
-    if cfg.draft_vocab_size and to in ("zlab", "speculators"):
-        import warnings
-
-        warnings.warn(f"this drafter scores a {cfg.draft_vocab_size}-token draft vocabulary; engines reading the "
-                      f"{to} format score the full head: output stays lossless, acceptance may differ",
-                      stacklevel=2)
-    if to == "zlab":
-        out = to_zlab(cfg)
-    elif to == "speculators":
-        out = to_speculators(cfg)
-    else:
-        raise ValueError(f"unknown format {to!r}; use zlab or speculators")
-    if detect(raw) == "speculators" and to == "zlab":
-        out["blockdraft"]["target_name"] = cfg.target_name or raw["speculators_config"]["verifier"]["name_or_path"]
-
-    def write(tmp: Path) -> None:
-        (tmp / CONFIG).write_text(json.dumps(out, indent=2) + "\n")
-        shutil.copyfile(path / WEIGHTS, tmp / WEIGHTS)
-
-    return atomic_dir(dst, write)
+    if Path(dst).resolve() == path.resolve():
+        raise ValueError("the destination is the source directory; choose a new directory")
+    dtype = read_weights(path)["fc.weight"].dtype  # kept: the tensors are copied, not re-rounded
+    drafter = load_drafter(path, num_target_layers=num_target_layers, dtype=dtype)
+    raw, _ = read_config(path, num_target_layers)
+    if drafter.config.target_name is None and formats.detect(raw) == "speculators":
+        drafter.config.target_name = raw["speculators_config"]["verifier"]["name_or_path"]
+    return export_drafter(drafter, dst, to, verifier=verifier, allow_mismatch=allow_mismatch)

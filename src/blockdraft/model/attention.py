@@ -61,19 +61,26 @@ class BlockLayout:
         return self._chunks[window]
 
 
+@dataclass(frozen=True)
+class LayerVisibility:
+    """One layer's side of clause 5: its window (None = full attention), whether its block rows
+    are causal, and how the window is counted (config.WINDOW_RULES)."""
+
+    window: int | None
+    causal: bool
+    rule: str
+
+
 def anchor_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
-                           v_blk: torch.Tensor, layout: BlockLayout, *, window: int | None, causal: bool,
+                           v_blk: torch.Tensor, layout: BlockLayout, vis: LayerVisibility, *,
                            scale: float, backend: str = "auto") -> torch.Tensor:
     """q [N, B, Hq, D], k/v_ctx [T, Hkv, D], k/v_blk [N, B, Hkv, D] -> out [N, B, Hq, D]."""
     if backend == "auto":
         backend = "flex" if q.is_cuda else "chunked"
-    if backend == "chunked":
-        return _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale)
-    if backend == "dense":
-        return _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale)
-    if backend == "flex":
-        return _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    fns = {"chunked": _chunked, "dense": _dense, "flex": _flex}
+    if backend not in fns:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    return fns[backend](q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale)
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -83,22 +90,24 @@ def _sdpa(q, k, v, mask, scale):
                                           enable_gqa=gqa)[0]
 
 
-def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
+def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale):
     N, B, Hq, D = q.shape
-    mask = anchor_block_mask(layout.document_ids, layout.anchors, B, window, causal).to(q.device)  # [N*B, T+N*B]
+    mask = anchor_block_mask(layout.document_ids, layout.anchors, B, vis.window, vis.causal,
+                             vis.rule).to(q.device)  # [N*B, T+N*B]
     k = torch.cat([k_ctx, k_blk.reshape(N * B, -1, D)]).transpose(0, 1)  # [Hkv, T+N*B, D]
     v = torch.cat([v_ctx, v_blk.reshape(N * B, -1, D)]).transpose(0, 1)
     out = _sdpa(q.reshape(N * B, Hq, D).transpose(0, 1), k, v, mask, scale)  # [Hq, N*B, D]
     return out.transpose(0, 1).reshape(N, B, Hq, D)
 
 
-def _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
+def _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale):
     N, B, Hq, D = q.shape
     outs = []
-    for c in layout.chunks(window):
+    for c in layout.chunks(vis.window):
         nb = c.j1 - c.j0
         mask = chunk_mask(c, anchors=layout.anchors, document_ids=layout.document_ids, block_size=B,
-                          sliding_window=window, causal_in_block=causal)  # [nb*B, (hi-lo) + nb*B]
+                          sliding_window=vis.window, causal_in_block=vis.causal,
+                          window_rule=vis.rule)  # [nb*B, (hi-lo) + nb*B]
         kc = torch.cat([k_ctx[c.lo:c.hi], k_blk[c.j0:c.j1].reshape(nb * B, -1, D)]).transpose(0, 1)
         vc = torch.cat([v_ctx[c.lo:c.hi], v_blk[c.j0:c.j1].reshape(nb * B, -1, D)]).transpose(0, 1)
         qc = q[c.j0:c.j1].reshape(nb * B, Hq, D).transpose(0, 1)  # [Hq, nb*B, D]
@@ -111,7 +120,7 @@ def _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
 _compiled_flex = None
 
 
-def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
+def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale):
     global _compiled_flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -122,7 +131,8 @@ def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal, scale):
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
         fn = _compiled_flex
-    mod = flex_mask_mod(layout.anchors.to(q.device), layout.document_ids.to(q.device), B, window, causal)
+    mod = flex_mask_mod(layout.anchors.to(q.device), layout.document_ids.to(q.device), B, vis.window, vis.causal,
+                        vis.rule)
     bm = create_block_mask(mod, None, None, N * B, T + N * B, device=q.device)
     k = torch.cat([k_ctx, k_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]
     v = torch.cat([v_ctx, v_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]

@@ -17,6 +17,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from ..config import DrafterConfig
 from .attention import BlockLayout
 from .layers import DFlashDecoderLayer
+from .masks import cached_block_mask
 from .linear import use_few_rows_linears
 
 
@@ -62,7 +63,8 @@ class DFlashDrafter(nn.Module):
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         if self.config.draft_vocab_size != len(token_ids):
             raise ValueError(f"draft vocabulary has {len(token_ids)} ids, config says {self.config.draft_vocab_size}")
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        # sorted by id: the order only permutes the draft logits, and the engines' t2d picks head rows in id order
+        ids = torch.sort(torch.as_tensor(token_ids, dtype=torch.long)).values
         if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError("draft vocabulary ids must be distinct and inside the target vocabulary")
         self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
@@ -75,7 +77,7 @@ class DFlashDrafter(nn.Module):
     def causal_in_block(self) -> bool:
         """Every layer's block rows see only earlier block rows: slot k's draft is then the same
         whether or not the slots after it are computed."""
-        return all(layer.self_attn.causal_in_block for layer in self.layers)
+        return all(layer.self_attn.vis.causal for layer in self.layers)
 
     @property
     def mask_token_id(self) -> int:
@@ -122,11 +124,20 @@ class DFlashDrafter(nn.Module):
         ctx_rope = self.rope(layout.position_ids, ctx)  # [T, D] x2
         blk_rope = self.rope(layout.block_positions(), ctx)  # [N, B, D] x2
         h = block_embeds
+
+        def ctx_kv(at):
+            return at.context_kv(ctx, *ctx_rope)  # [T, Hkv, D] x2
+
         for layer in self.layers:
+            at = layer.self_attn
+
+            def attend(q, k_ctx, v_ctx, k_blk, v_blk, at=at):
+                return at.attend(q, k_ctx, v_ctx, k_blk, v_blk, layout, backend)
+
             if self.gradient_checkpointing and self.training:
-                h = checkpoint(layer, h, ctx, ctx_rope, blk_rope, layout, backend, use_reentrant=False)
+                h = checkpoint(layer, h, ctx_kv, blk_rope, attend, use_reentrant=False)
             else:
-                h = layer(h, ctx, ctx_rope, blk_rope, layout, backend)
+                h = layer(h, ctx_kv, blk_rope, attend)
         return self.norm(h)
 
     # ------------------------------------------------------------------ inference
@@ -137,37 +148,32 @@ class DFlashDrafter(nn.Module):
                      anchor_position: int, cache: "ContextCache") -> torch.Tensor:
         """Clause 8 drafting with cached context K/V: only the `new_features` rows [n, F*Ht]
         (positions [n]) are projected; block_embeds [B, Hd] sit at anchor_position + k.
-        Every cached row is before the anchor and in its document. Returns normed hidden [B, Hd]."""
+        Every cached row is before the anchor and in its document. Returns normed hidden [B, Hd].
+        The layers are the training ones; only the attention reads the cache (`attend_cached`)."""
         B = block_embeds.shape[0]
         ctx = self.context(new_features) if new_features.shape[0] else None  # [n, Hd]
         ctx_rope = self.rope(new_positions, block_embeds) if ctx is not None else None
-        blk_pos = anchor_position + torch.arange(B, device=block_embeds.device)
-        cos, sin = self.rope(blk_pos, block_embeds)  # [B, D]
+        blk_rope = self.rope(anchor_position + torch.arange(B, device=block_embeds.device), block_embeds)  # [B, D]
         cache.positions = new_positions if cache.positions is None else torch.cat([cache.positions, new_positions])
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            at = layer.self_attn
-            if ctx is not None:
-                cache.append(i, *at.context_kv(ctx, *ctx_rope))
-            x = layer.input_layernorm(h)
-            q, k_blk, v_blk = at.block_qkv(x, cos, sin)  # [B, H*, D]
-            k_ctx, v_ctx = cache.get(i, k_blk)
-            keep = None
-            if at.window is not None:  # sliding layers see rows at positions >= anchor - W only
-                keep = cache.positions >= anchor_position - at.window
-                k_ctx, v_ctx = k_ctx[keep], v_ctx[keep]
-            k = torch.cat([k_ctx, k_blk]).transpose(0, 1)  # [Hkv, C+B, D]
-            v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
-            mask = None
-            if at.causal_in_block:
-                C = k_ctx.shape[0]
-                mask = torch.ones(B, C + B, dtype=torch.bool, device=h.device)
-                mask[:, C:] = torch.tril(mask[:, C:])
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
-                scale=at.scale, enable_gqa=at.hq != at.hkv)[0]  # [Hq, B, D]
-            h = h + at.o_proj(out.transpose(0, 1).flatten(-2))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            at, window = layer.self_attn, layer.self_attn.vis.window
+            # sliding layers read only rows at positions >= a - W (both window rules see nothing before)
+            keep = None if window is None else cache.positions >= anchor_position - window
+            pos = cache.positions if keep is None else cache.positions[keep]
+            mask = cached_block_mask(pos, anchor_position, B, sliding_window=window, causal_in_block=at.vis.causal,
+                                     window_rule=at.vis.rule)
+
+            def ctx_kv(at, i=i, keep=keep):
+                if ctx is not None:
+                    cache.append(i, *at.context_kv(ctx, *ctx_rope))
+                k, v = cache.get(i, block_embeds.new_empty(0, at.hkv, at.d))
+                return (k, v) if keep is None else (k[keep], v[keep])
+
+            def attend(q, k_c, v_c, k_blk, v_blk, at=at, mask=mask):
+                return at.attend_cached(q, k_c, v_c, k_blk, v_blk, mask)
+
+            h = layer(h, ctx_kv, blk_rope, attend)
         return self.norm(h)
 
 
@@ -186,9 +192,9 @@ class ContextCache:
         self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k])
         self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v])
 
-    def get(self, i: int, like: torch.Tensor):
+    def get(self, i: int, empty: torch.Tensor):
+        """Layer i's cached k, v [C, Hkv, D]; `empty` [0, Hkv, D] before anything is cached."""
         if self.k[i] is None:
-            empty = like.new_zeros((0,) + tuple(like.shape[1:]))
             return empty, empty
         return self.k[i], self.v[i]
 

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
 from ..config import DrafterConfig
-from .attention import BlockLayout, anchor_block_attention
+from .attention import BlockLayout, LayerVisibility, anchor_block_attention
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -27,8 +27,8 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.d ** -0.5
-        self.window = cfg.layer_window(layer_idx)
-        self.causal_in_block = cfg.layer_causal_in_block(layer_idx)
+        self.vis = LayerVisibility(cfg.layer_window(layer_idx), cfg.layer_causal_in_block(layer_idx),
+                                   cfg.sliding_window_rule)
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.hq * self.d, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
@@ -50,14 +50,22 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.hkv, self.d))
         return rope(q, cos, sin), rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_rope, blk_rope, layout: BlockLayout,
-                backend: str) -> torch.Tensor:
-        """x [N, B, Hd] (normed block rows), ctx [T, Hd] -> [N, B, Hd]."""
-        k_ctx, v_ctx = self.context_kv(ctx, *ctx_rope)  # [T, Hkv, D]
-        q, k_blk, v_blk = self.block_qkv(x, *blk_rope)  # [N, B, H*, D]
-        out = anchor_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, window=self.window,
-                                     causal=self.causal_in_block, scale=self.scale, backend=backend)
-        return self.o_proj(out.flatten(-2))  # [N, B, Hd]
+    def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+               v_blk: torch.Tensor, layout: BlockLayout, backend: str) -> torch.Tensor:
+        """Training: q [N, B, Hq, D], context k/v [T, Hkv, D], block k/v [N, B, Hkv, D] -> [N, B, Hq, D]."""
+        return anchor_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, self.vis, scale=self.scale,
+                                      backend=backend)
+
+    def attend_cached(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+                      v_blk: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Drafting one block: q [B, Hq, D], cached context k/v [C, Hkv, D], block k/v [B, Hkv, D],
+        mask [B, C+B] (None: all visible; `cached_block_mask`) -> [B, Hq, D]."""
+        k = torch.cat([k_ctx, k_blk]).transpose(0, 1)  # [Hkv, C+B, D]
+        v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
+            scale=self.scale, enable_gqa=self.hq != self.hkv)[0]  # [Hq, B, D]
+        return out.transpose(0, 1)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -68,8 +76,14 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, ctx: torch.Tensor, ctx_rope, blk_rope, layout: BlockLayout,
-                backend: str) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx_kv, blk_rope, attend) -> torch.Tensor:
+        """h [..., B, Hd] block rows. `ctx_kv(attn)` gives this layer's context (k, v) and `attend(q,
+        k_ctx, v_ctx, k_blk, v_blk)` its attention, for the caller's path (a training layout or the
+        drafting cache): one layer function serves both. Both run inside this forward, where a
+        sharded (FSDP) layer has its weights gathered."""
         # The context rows are already normed by the drafter's hidden_norm; only the block is normed here.
-        h = h + self.self_attn(self.input_layernorm(h), ctx, ctx_rope, blk_rope, layout, backend)
+        at = self.self_attn
+        k_ctx, v_ctx = ctx_kv(at)
+        q, k_blk, v_blk = at.block_qkv(self.input_layernorm(h), *blk_rope)  # [..., B, H*, D]
+        h = h + at.o_proj(attend(q, k_ctx, v_ctx, k_blk, v_blk).flatten(-2))
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -3,10 +3,16 @@
 Legend: T context positions (one flat packed sequence), N anchors (blocks), B block size,
 K = T + N*B keys (the T context positions followed by the N*B block slots), Q = N*B queries.
 
-A query in block j (anchor a_j) sees context position p iff doc(p) == doc(a_j) and
-p < a_j (and p >= a_j - W on sliding-window layers); it sees every slot of its own block
-(only slots <= its own on sliding layers when `causal_in_block`), and nothing of any
-other block.
+A query in block j (anchor a_j), slot i (position a_j + i) sees context position p iff
+doc(p) == doc(a_j) and p < a_j; it sees every slot of its own block (only slots <= its own on
+sliding layers when `causal_in_block`), and nothing of any other block. Sliding-window layers
+add one of two window rules (`DrafterConfig.sliding_window_rule`):
+
+- "anchor" (blockdraft before the rule was a field, speculators' training): every slot of the
+  block sees context p >= a_j - W; the window does not limit the block itself.
+- "query" (z-lab dflash, vLLM: what the engines serve): the window counts from each query's
+  own position, a_j + i - p < W for context and block keys alike, and |i - i'| < W between
+  block slots when the block is bidirectional.
 
 `anchor_block_mask` is the dense reference, built block by block with plain slicing and
 shared by nothing else. The fast paths (chunked SDPA on CPU, flex attention on CUDA)
@@ -19,25 +25,39 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import DEFAULT_WINDOW_RULE, WINDOW_QUERY, WINDOW_RULES
+
+
+def check_window_rule(rule: str) -> str:
+    if rule not in WINDOW_RULES:
+        raise ValueError(f"unknown sliding-window rule {rule!r}; use one of {WINDOW_RULES}")
+    return rule
+
 
 def anchor_block_mask(document_ids: torch.Tensor, anchor_positions: torch.Tensor, block_size: int,
-                      sliding_window: int | None = None, causal_in_block: bool = False) -> torch.Tensor:
+                      sliding_window: int | None = None, causal_in_block: bool = False,
+                      window_rule: str = DEFAULT_WINDOW_RULE) -> torch.Tensor:
     """Dense reference of clause 5: BoolTensor [N*B, T + N*B], True = may attend."""
+    check_window_rule(window_rule)
     doc = torch.as_tensor(document_ids).cpu()
     anchors = torch.as_tensor(anchor_positions).cpu().tolist()
-    T, N, B = doc.shape[0], len(anchors), int(block_size)
+    T, N, B, W = doc.shape[0], len(anchors), int(block_size), sliding_window
+    per_query = W is not None and window_rule == WINDOW_QUERY
     mask = torch.zeros(N * B, T + N * B, dtype=torch.bool)
     for j, a in enumerate(anchors):
         if not 0 <= a < T:
             raise ValueError(f"anchor {a} is outside the sequence [0, {T})")
-        rows = slice(j * B, (j + 1) * B)
-        lo = 0 if sliding_window is None else max(0, a - sliding_window)
-        # strictly before the anchor, same document
-        mask[rows, lo:a] = (doc[lo:a] == doc[a])[None, :]
         base = T + j * B
         for i in range(B):
-            last = i + 1 if causal_in_block else B
-            mask[j * B + i, base:base + last] = True
+            row = j * B + i
+            # context: strictly before the anchor, same document, inside the window
+            lo = 0 if W is None else max(0, a + i - W + 1) if per_query else max(0, a - W)
+            mask[row, lo:a] = doc[lo:a] == doc[a]
+            # own block: all slots, or those up to this one; a per-query window also bounds them
+            first, last = (0, i + 1) if causal_in_block else (0, B)
+            if per_query:
+                first, last = max(first, i - W + 1), min(last, i + W)
+            mask[row, base + first:base + last] = True
     return mask
 
 
@@ -53,23 +73,27 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
 
 def visible(q_block: torch.Tensor, q_slot: torch.Tensor, k_idx: torch.Tensor, *, anchors: torch.Tensor,
             document_ids: torch.Tensor, block_size: int, sliding_window: int | None,
-            causal_in_block: bool) -> torch.Tensor:
+            causal_in_block: bool, window_rule: str = DEFAULT_WINDOW_RULE) -> torch.Tensor:
     """Vectorised clause-5 predicate over broadcastable index tensors.
 
     q_block/q_slot: the query's block j and slot i; k_idx: key index in [0, T + N*B).
     Used by the chunked path (on index grids) and as the flex-attention mask_mod.
     """
-    T = document_ids.shape[0]
+    T, W = document_ids.shape[0], sliding_window
     a = anchors[q_block]
     is_ctx = k_idx < T
     p = torch.clamp(k_idx, max=T - 1)
     ctx_ok = is_ctx & (p < a) & (document_ids[p] == document_ids[a])
-    if sliding_window is not None:
-        ctx_ok = ctx_ok & (p >= a - sliding_window)
     rel = k_idx - T
+    k_slot = torch.remainder(rel, block_size)
     blk_ok = (~is_ctx) & (torch.div(rel, block_size, rounding_mode="floor") == q_block)
     if causal_in_block:
-        blk_ok = blk_ok & (torch.remainder(rel, block_size) <= q_slot)
+        blk_ok = blk_ok & (k_slot <= q_slot)
+    if W is not None and window_rule == WINDOW_QUERY:  # counted from the query's own position a + i
+        ctx_ok = ctx_ok & (a + q_slot - p < W)
+        blk_ok = blk_ok & (q_slot - k_slot < W) & (k_slot - q_slot < W)
+    elif W is not None:
+        ctx_ok = ctx_ok & (p >= a - W)
     return ctx_ok | blk_ok
 
 
@@ -110,7 +134,7 @@ def plan_chunks(anchors: torch.Tensor, document_ids: torch.Tensor, *, max_blocks
 
 
 def chunk_mask(chunk: Chunk, *, anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int,
-               sliding_window: int | None, causal_in_block: bool) -> torch.Tensor:
+               sliding_window: int | None, causal_in_block: bool, window_rule: str = DEFAULT_WINDOW_RULE) -> torch.Tensor:
     """BoolTensor [(j1-j0)*B, (hi-lo) + (j1-j0)*B]: the rule restricted to one chunk's keys."""
     dev = anchors.device
     T, B = document_ids.shape[0], block_size
@@ -123,12 +147,12 @@ def chunk_mask(chunk: Chunk, *, anchors: torch.Tensor, document_ids: torch.Tenso
     k_idx = torch.cat([k_ctx, k_blk])
     return visible(q_block[:, None], q_slot[:, None], k_idx[None, :], anchors=anchors,
                    document_ids=document_ids, block_size=B, sliding_window=sliding_window,
-                   causal_in_block=causal_in_block)
+                   causal_in_block=causal_in_block, window_rule=window_rule)
 
 
 def chunked_mask_as_dense(document_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, *,
                           max_blocks: int, sliding_window: int | None = None,
-                          causal_in_block: bool = False) -> torch.Tensor:
+                          causal_in_block: bool = False, window_rule: str = DEFAULT_WINDOW_RULE) -> torch.Tensor:
     """Scatter the chunked path's masks into the dense [N*B, T + N*B] layout, for testing.
 
     Keys a chunk does not read are False, so equality with `anchor_block_mask` proves the
@@ -138,7 +162,8 @@ def chunked_mask_as_dense(document_ids: torch.Tensor, anchors: torch.Tensor, blo
     out = torch.zeros(N * B, T + N * B, dtype=torch.bool)
     for c in plan_chunks(anchors, document_ids, max_blocks=max_blocks, sliding_window=sliding_window):
         m = chunk_mask(c, anchors=anchors, document_ids=document_ids, block_size=B,
-                       sliding_window=sliding_window, causal_in_block=causal_in_block).cpu()
+                       sliding_window=sliding_window, causal_in_block=causal_in_block,
+                       window_rule=window_rule).cpu()
         rows = slice(c.j0 * B, c.j1 * B)
         out[rows, c.lo:c.hi] = m[:, : c.hi - c.lo]
         out[rows, T + c.j0 * B:T + c.j1 * B] = m[:, c.hi - c.lo:]
@@ -146,13 +171,38 @@ def chunked_mask_as_dense(document_ids: torch.Tensor, anchors: torch.Tensor, blo
 
 
 def flex_mask_mod(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int,
-                  sliding_window: int | None, causal_in_block: bool):
+                  sliding_window: int | None, causal_in_block: bool, window_rule: str = DEFAULT_WINDOW_RULE):
     """mask_mod(b, h, q_idx, kv_idx) for torch's flex attention over the flat layout."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_block = torch.div(q_idx, block_size, rounding_mode="floor")
         q_slot = torch.remainder(q_idx, block_size)
         return visible(q_block, q_slot, kv_idx, anchors=anchors, document_ids=document_ids,
-                       block_size=block_size, sliding_window=sliding_window, causal_in_block=causal_in_block)
+                       block_size=block_size, sliding_window=sliding_window, causal_in_block=causal_in_block,
+                       window_rule=window_rule)
 
     return mask_mod
+
+
+def cached_block_mask(context_positions: torch.Tensor, anchor_position: int, block_size: int, *,
+                      sliding_window: int | None, causal_in_block: bool,
+                      window_rule: str = DEFAULT_WINDOW_RULE) -> torch.Tensor | None:
+    """Drafting's fast path of the rule for one block over cached context rows (all of the anchor's
+    document and before it): BoolTensor [B, C + B], or None when every key is visible.
+    Tests compare it with `anchor_block_mask` on the equivalent layout."""
+    W, B = sliding_window, block_size
+    if W is None and not causal_in_block:
+        return None
+    dev = context_positions.device
+    i = torch.arange(B, device=dev)[:, None]  # query slot
+    ctx = torch.ones(B, context_positions.shape[0], dtype=torch.bool, device=dev)
+    blk = torch.ones(B, B, dtype=torch.bool, device=dev)
+    k = torch.arange(B, device=dev)[None, :]  # key slot
+    if causal_in_block:
+        blk &= k <= i
+    if W is not None and window_rule == WINDOW_QUERY:
+        ctx &= anchor_position + i - context_positions[None, :] < W
+        blk &= (i - k < W) & (k - i < W)
+    elif W is not None:
+        ctx &= context_positions[None, :] >= anchor_position - W
+    return torch.cat([ctx, blk], dim=1)

@@ -190,7 +190,8 @@ def layer_layout(args) -> dict:
     n = min(max(1, args.sliding_layers), args.draft_layers)
     types = ["sliding_attention"] * n + ["full_attention"] * (args.draft_layers - n)
     return {"layer_types": types, "sliding_window": int(w),
-            "sliding_causal_in_block": not getattr(args, "bidirectional_sliding", False)}
+            "sliding_causal_in_block": not getattr(args, "bidirectional_sliding", False),
+            "sliding_window_rule": args.window_rule}
 
 
 def first_rows(rows: dict, max_rows: int) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint.native import atomic_dir, recover_dir
+from ..atomic import atomic_dir, recover_dir
 
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 

@@ -1,0 +1,166 @@
+"""What every drafter format shares: the Format interface, the Qwen3 layer fields, blockdraft's own
+fields, the draft-vocabulary tensors, and the record of where a consumer computes another function.
+
+A format is a config map (DrafterConfig <-> config.json) and a weight map (native tensors <->
+the consumer's tensors: renamed, added, dropped). The native tensors are `layers.*`, `fc.weight`
+(feature scale folded in), `hidden_norm.weight`, `norm.weight` and, for a draft vocabulary, the
+target ids `draft_vocab` [Vd].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ...config import FORMAT_VERSION, DrafterConfig
+
+QWEN3_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "attention_bias",
+                "hidden_act", "layer_types", "sliding_window", "vocab_size")
+OWN_FIELDS = ("target_hidden_size", "sliding_causal_in_block", "sliding_window_rule", "draft_vocab_size",
+              "target_name", "tokenizer_hash")
+OWN_KEY = "blockdraft"  # blockdraft's own fields ride along under this key; other readers ignore it
+
+
+@dataclass(frozen=True)
+class Export:
+    """What an export needs beyond the drafter: the verifier (target) directory a consumer opens
+    offline, and the rows of its head for a draft vocabulary ([Vd, Ht], in draft-vocabulary order)."""
+
+    verifier: str | None = None
+    head_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Difference:
+    """What a consumer does with the exported files that the drafter's own function does not say:
+    `refuse` when a serving engine would compute another function (export stops unless told to
+    go on), otherwise a warning (a training framework's rule, a setting the engine needs)."""
+
+    consumer: str
+    refuse: bool
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.consumer}: {self.what}"
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    description: str
+    matches: Callable[[dict], bool]
+    read_config: Callable[[dict, int | None], DrafterConfig]
+    write_config: Callable[[DrafterConfig, Export], dict]
+    write_weights: Callable[[dict, DrafterConfig, Export], dict]
+    differences: Callable[[DrafterConfig], list[Difference]]
+
+
+def qwen3_fields(cfg: DrafterConfig) -> dict:
+    """The drafter layers as a transformers Qwen3Config dict. transformers keeps `sliding_window`
+    only when `use_sliding_window` is true (dflash, speculators and vLLM load through it)."""
+    d = {k: getattr(cfg, k) for k in QWEN3_FIELDS}
+    d.update(model_type="qwen3", rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+    if cfg.has_sliding:
+        d["use_sliding_window"] = True
+    return d
+
+
+def layer_kwargs(q: dict) -> dict:
+    """DrafterConfig keyword arguments from a Qwen3 field dict."""
+    kw = {k: q[k] for k in QWEN3_FIELDS if k in q and k != "rope_theta"}
+    rp = q.get("rope_parameters") or {}
+    kw["rope_theta"] = float(rp.get("rope_theta", q.get("rope_theta", 10000.0)))
+    if kw.get("layer_types") is None:
+        kw.pop("layer_types", None)
+    if kw.get("sliding_window") is None:
+        kw.pop("sliding_window", None)
+    return kw
+
+
+def own_fields(cfg: DrafterConfig) -> dict:
+    return {"format_version": FORMAT_VERSION, **{k: getattr(cfg, k) for k in OWN_FIELDS}}
+
+
+def read_own(d: dict, defaults: dict) -> dict:
+    """blockdraft's fields from `d[OWN_KEY]`, else the producer's `defaults`. Written by an older
+    blockdraft (no `sliding_window_rule`): the anchor rule it trained with."""
+    own = d.get(OWN_KEY)
+    version = (own or {}).get("format_version", FORMAT_VERSION)
+    if version > FORMAT_VERSION:
+        raise ValueError(f"drafter format_version {version} is newer than this blockdraft ({FORMAT_VERSION}); "
+                         "upgrade blockdraft")
+    out = dict(defaults)
+    if own is not None:
+        out["sliding_window_rule"] = "anchor"
+        out.update({k: v for k, v in own.items() if k in OWN_FIELDS})
+    return out
+
+
+def d2t_offsets(draft_vocab: torch.Tensor) -> torch.Tensor:
+    """The engines' form of a draft vocabulary: target id = i + d2t[i]."""
+    return (draft_vocab - torch.arange(draft_vocab.numel(), dtype=draft_vocab.dtype)).to(torch.long)
+
+
+def draft_vocab_from(sd: dict, vocab_size: int) -> torch.Tensor | None:
+    """Target ids of a draft vocabulary from native (`draft_vocab`) or engine (`d2t`) tensors."""
+    if "draft_vocab" in sd:
+        return sd["draft_vocab"].to(torch.long)
+    if "d2t" in sd:
+        d2t = sd["d2t"].to(torch.long)
+        ids = torch.arange(d2t.numel()) + d2t
+        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError("d2t does not map the draft vocabulary onto distinct ids of the target vocabulary")
+        return ids
+    return None
+
+
+def native_weights(sd: dict, cfg: DrafterConfig) -> dict:
+    """Any format's tensors -> native ones: d2t becomes `draft_vocab`; t2d and the head rows an
+    engine needs (the target's own, never trained) are dropped."""
+    ids = draft_vocab_from_weights(sd, cfg)
+    out = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "lm_head.weight", "draft_vocab")}
+    return out if ids is None else {**out, "draft_vocab": ids}
+
+
+def draft_vocab_from_weights(sd: dict, cfg: DrafterConfig) -> torch.Tensor | None:
+    ids = draft_vocab_from(sd, cfg.vocab_size)
+    if cfg.draft_vocab_size and ids is None:
+        raise ValueError(f"the config names a {cfg.draft_vocab_size}-token draft vocabulary but the weights carry "
+                         "neither draft_vocab nor d2t")
+    if ids is not None and ids.numel() != cfg.draft_vocab_size:
+        raise ValueError(f"the weights map {ids.numel()} draft tokens, the config says {cfg.draft_vocab_size}")
+    return ids
+
+
+def engine_head_weights(sd: dict, cfg: DrafterConfig, ex: Export, *, with_t2d: bool) -> dict:
+    """Native tensors -> an engine's: d2t offsets (+ t2d [V] bool) and the head's draft rows as
+    `lm_head.weight`, which vLLM and speculators load instead of the target's full head."""
+    out = {k: v for k, v in sd.items() if k != "draft_vocab"}
+    if not cfg.draft_vocab_size:
+        return out
+    ids = sd["draft_vocab"].to(torch.long)
+    if bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError("the draft vocabulary must be sorted by id (t2d selects the head rows in id order)")
+    if ex.head_rows is None or tuple(ex.head_rows.shape) != (ids.numel(), cfg.hidden_size):
+        raise ValueError("exporting a draft vocabulary needs the target's head rows: pass --verifier DIR "
+                         "(the target's local directory)")
+    out["d2t"] = d2t_offsets(ids)
+    out["lm_head.weight"] = ex.head_rows.to(sd["fc.weight"].dtype).contiguous()
+    if with_t2d:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        out["t2d"] = t2d
+    return out
+
+
+def verifier_dir(path: str | None) -> str:
+    if path is None:
+        raise ValueError("the speculators format names its verifier (the target) by a path its readers open "
+                         "offline: pass --verifier DIR")
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(f"--verifier {path}: not a local model directory (it needs config.json)")
+    return str(Path(path).resolve())

@@ -1,0 +1,100 @@
+"""The z-lab layout (blockdraft's native one), read by z-lab's `dflash`, SGLang and vLLM.
+
+Config: Qwen3 fields at the top (with `use_sliding_window` so transformers keeps the window),
+`block_size`, `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}` with the
+layer ids of clause 1, `draft_vocab_size` for a draft vocabulary (vLLM), and blockdraft's own
+fields under `blockdraft`. Causality: dflash, SGLang and vLLM make sliding layers causal and
+full layers bidirectional unless one `is_causal` (all layers) says otherwise.
+
+Weights: native names; a draft vocabulary leaves as `d2t` offsets and the head's draft rows
+(`lm_head.weight`), which vLLM loads. dflash and SGLang ignore both and score the full head.
+"""
+
+from __future__ import annotations
+
+from ...config import SLIDING, WINDOW_ANCHOR, WINDOW_QUERY, DrafterConfig
+from .base import (OWN_KEY, Difference, Export, Format, engine_head_weights, layer_kwargs, own_fields, qwen3_fields,
+                   read_own)
+
+
+def matches(d: dict) -> bool:
+    return "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or [])
+
+
+def _causality(cfg: DrafterConfig) -> dict:
+    """One `is_causal` for all layers; absent = sliding layers causal, full ones not (ours exactly)."""
+    if cfg.has_sliding and not cfg.sliding_causal_in_block:
+        return {"is_causal": False}
+    return {}
+
+
+def write_config(cfg: DrafterConfig, ex: Export) -> dict:
+    d = {"architectures": ["DFlashDraftModel"], **qwen3_fields(cfg), **_causality(cfg),
+         "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
+         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}}
+    if cfg.draft_vocab_size:
+        d["draft_vocab_size"] = cfg.draft_vocab_size
+    d[OWN_KEY] = own_fields(cfg)
+    return d
+
+
+def write_weights(sd: dict, cfg: DrafterConfig, ex: Export) -> dict:
+    return engine_head_weights(sd, cfg, ex, with_t2d=False)
+
+
+def read_causal(d: dict, layer_types: list[str]) -> bool:
+    """The in-block causality of sliding layers, as dflash, SGLang and vLLM read it."""
+    flag = d.get("is_causal", (d.get("dflash_config") or {}).get("causal"))
+    if flag is None:
+        return True
+    if flag and any(t != SLIDING for t in layer_types):
+        raise ValueError("this drafter's config makes its full-attention layers causal (is_causal: true); "
+                         "blockdraft's full-attention layers are bidirectional in the block")
+    return bool(flag)
+
+
+def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
+    dc = d.get("dflash_config") or {}
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in dc and key not in d:
+            raise ValueError(f"z-lab config lacks dflash_config.{key}")
+    kw = layer_kwargs(d)
+    if "sliding_window" not in kw and dc.get("swa_window_size") is not None:
+        kw["sliding_window"] = int(dc["swa_window_size"])
+    layer_types = kw.get("layer_types") or []
+    n_layers = d.get("num_target_layers") or num_target_layers
+    if n_layers is None:
+        raise ValueError("this z-lab config does not say how many layers its target has (num_target_layers)")
+    # A directory from z-lab's own tools was trained for its readers' rule: the query window.
+    own = read_own(d, {"target_hidden_size": kw["hidden_size"], "sliding_window_rule": WINDOW_QUERY,
+                       "sliding_causal_in_block": read_causal(d, layer_types)})
+    if "draft_vocab_size" not in own and d.get("draft_vocab_size") not in (None, kw.get("vocab_size")):
+        own["draft_vocab_size"] = int(d["draft_vocab_size"])
+    return DrafterConfig(target_num_layers=int(n_layers),
+                         target_layer_ids=list(dc.get("target_layer_ids", d.get("target_layer_ids"))),
+                         mask_token_id=int(dc.get("mask_token_id", d.get("mask_token_id"))),
+                         block_size=int(dc.get("block_size", d.get("block_size", 16))), **kw, **own)
+
+
+def differences(cfg: DrafterConfig) -> list[Difference]:
+    out = []
+    if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_ANCHOR:
+        what = ("windows each query from its own position (rule 'query'); this drafter was trained with the "
+                "anchor rule, so its drafts differ once an anchor passes W - B + 1")
+        out += [Difference(c, True, what) for c in ("dflash", "vLLM", "SGLang")]
+    if cfg.draft_vocab_size:
+        what = (f"ignores d2t and lm_head.weight and scores the target's full head, not this drafter's "
+                f"{cfg.draft_vocab_size}-token draft vocabulary (output stays lossless; drafts may differ)")
+        out += [Difference(c, False, what) for c in ("dflash", "SGLang")]
+    kinds = set(cfg.layer_types)
+    if len(kinds) > 1:
+        out.append(Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
+                                            "VLLM_USE_V2_MODEL_RUNNER=1"))
+        if cfg.sliding_causal_in_block:
+            out.append(Difference("vLLM", True, "has causal sliding and bidirectional full layers: vLLM 0.32's "
+                                                "DFlash proposer sets one causal flag for all draft layers"))
+    return out
+
+
+FORMAT = Format("zlab", "z-lab layout: dflash, SGLang, vLLM (blockdraft's native layout)", matches, read_config,
+                write_config, write_weights, differences)
