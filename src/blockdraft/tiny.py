@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+# hybrid linear/full-attention families with (1 + w) norms; slower on CPU, so only where asked for
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
 
 
 def tiny_causal_lm(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 32, heads: int = 4,
@@ -35,11 +37,29 @@ def tiny_causal_lm(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int 
                                    attn_logit_softcapping=20.0), tf.Gemma2ForCausalLM
     elif arch == "gemma3":
         cfg, cls = tf.Gemma3TextConfig(**common, head_dim=hd, sliding_window=16), tf.Gemma3ForCausalLM
+    elif arch in HYBRID_ARCHS:
+        linear = dict(head_dim=hd, linear_num_value_heads=kv_heads, linear_num_key_heads=kv_heads,
+                      linear_key_head_dim=hd, linear_value_head_dim=hd)
+        if arch == "qwen3_next":
+            cfg = tf.Qwen3NextConfig(**common, **linear, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
+            cls = tf.Qwen3NextForCausalLM
+        else:
+            cfg, cls = tf.Qwen3_5TextConfig(**common, **linear), tf.Qwen3_5ForCausalLM
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS + HYBRID_ARCHS}")
     model = cls(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if arch.startswith("gemma") else 1.0))
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if _scales_by_w(name, arch) else 0.0))
     return model
+
+
+def _scales_by_w(param_name: str, arch: str) -> bool:
+    """Whether a norm weight multiplies directly (so random weights sit around 1) or as 1 + w (around 0)."""
+    if arch.startswith("gemma"):
+        return False
+    if arch in HYBRID_ARCHS:  # their RMSNorms scale by 1 + w; the gated one inside linear attention by w
+        return "linear_attn" in param_name
+    return True

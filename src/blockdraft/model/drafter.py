@@ -200,16 +200,34 @@ class ContextCache:
 
 
 @torch.no_grad()
-def init_from_target_layers(drafter: DFlashDrafter, target_layers) -> list[str]:
-    """Copy the weights of target decoder layers (e.g. its top layers) into the drafter layers
-    wherever names and shapes agree (attention projections, MLP, layer norms); returns the
-    copied names. The drafter's own q_norm/k_norm, fc and norms keep their initialisation."""
+def init_from_target_layers(drafter: DFlashDrafter, target_layers, target_config) -> list[str]:
+    """Start the drafter layers from target decoder layers (e.g. its top ones), piece by piece by
+    role, where the piece computes the same function in the drafter: attention projections of
+    equal shapes; norms as their measured effective scale (Gemma's 1 + w becomes the drafter's w);
+    the MLP only when the target's activation is the drafter's (silu). Returns the copied names
+    (`layers.{i}.input_layernorm.weight`, ...); fc and the drafter's own norms keep their initialisation."""
+    from ..family import mlp_activation, pre_mlp_norm, rms_norm_scale
+
+    same_mlp = mlp_activation(target_config) == drafter.config.hidden_act
     copied = []
-    for d_layer, t_layer in zip(drafter.layers, target_layers):
+    for i, (d_layer, t_layer) in enumerate(zip(drafter.layers, target_layers)):
+        t_attn = getattr(t_layer, "self_attn", None)
+        norms = {"input_layernorm": getattr(t_layer, "input_layernorm", None),
+                 "post_attention_layernorm": pre_mlp_norm(t_layer),
+                 "self_attn.q_norm": getattr(t_attn, "q_norm", None), "self_attn.k_norm": getattr(t_attn, "k_norm", None)}
+        for name, t_norm in norms.items():
+            scale = None if t_norm is None else rms_norm_scale(t_norm)
+            mine = d_layer.get_submodule(name).weight
+            if scale is not None and scale.shape == mine.shape:
+                mine.copy_(scale.to(mine))
+                copied.append(f"layers.{i}.{name}.weight")
         t_params = dict(t_layer.named_parameters())
-        for name, p in d_layer.named_parameters():
-            src = t_params.get(name)
-            if src is not None and src.shape == p.shape:
-                p.copy_(src.to(p))
-                copied.append(name)
+        linears = [f"self_attn.{p}_proj" for p in "qkvo"] + (["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+                                                              if same_mlp else [])
+        for lin in linears:
+            for part in ("weight", "bias"):
+                src, dst = t_params.get(f"{lin}.{part}"), dict(d_layer.named_parameters()).get(f"{lin}.{part}")
+                if src is not None and dst is not None and src.shape == dst.shape:
+                    dst.copy_(src.to(dst))
+                    copied.append(f"layers.{i}.{lin}.{part}")
     return copied
