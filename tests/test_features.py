@@ -10,7 +10,7 @@ import torch
 from blockdraft.config import DrafterConfig
 from blockdraft.data.features import DiskFeatures, FeatureMemo, cache_identity, extract
 from blockdraft.model import DFlashDrafter
-from blockdraft.train import prepare
+from blockdraft.train import compute_loss, prepare
 from blockdraft.train.trainer import rows_batch
 from conftest import ARCHS, tiny_target
 from test_trainer import tiny_rows
@@ -48,7 +48,7 @@ def test_memo_with_a_draft_vocabulary_gives_the_online_loss_and_metrics(loss):
     b = rows_batch(rows, idx)
     online = compute_loss(t, d, b, max_anchors=6, loss=loss, generator=torch.Generator().manual_seed(0))
     cached = FeatureMemo(t, rows)(idx)
-    assert len(cached) == 3 and not torch.isin(cached[2], d.draft_vocab).all()
+    assert cached.top is not None and not torch.isin(cached.top, d.draft_vocab).all()
     stored = compute_loss(t, d, b, max_anchors=6, loss=loss, generator=torch.Generator().manual_seed(0), cached=cached)
     torch.testing.assert_close(stored[0], online[0], rtol=1e-5, atol=1e-6)
     for key in ("accepted_lengths", "slot_counts", "supervised_slots"):
@@ -71,10 +71,10 @@ def test_extract_resumes_and_refuses_a_foreign_cache(tmp_path):
             if p.name != shards[2].name} == {k: v for k, v in mtimes.items() if k != shards[2].name}
     cache = DiskFeatures(out, expect=cache_identity(t, 40, torch.float32))
     idx = torch.tensor([7, 0, 9, 3, 2])  # rows of every shard (3 per shard), in mixed order
-    f, h = cache(idx)
-    ref_f, ref_h = FeatureMemo(t, rows)(idx)[:2]
-    torch.testing.assert_close(f, ref_f, rtol=0, atol=0)
-    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+    got, ref = cache(idx), FeatureMemo(t, rows)(idx)
+    torch.testing.assert_close(got.features, ref.features, rtol=0, atol=0)
+    torch.testing.assert_close(got.final_hidden, ref.final_hidden, rtol=0, atol=0)
+    assert torch.equal(got.top, ref.top)  # the full-vocabulary argmax travels with the cache
     with pytest.raises(IndexError, match="outside"):
         cache(torch.tensor([10]))
     assert torch.equal(cache.rows["input_ids"], rows["input_ids"])
@@ -92,7 +92,44 @@ def test_a_bf16_cache_reads_back_the_rounded_outputs(tmp_path):
     t = tiny_target("qwen3")
     rows = tiny_rows(5)
     extract(t, rows, tmp_path / "c", shard_rows=2, dtype=torch.bfloat16, progress=False)
-    f, h = DiskFeatures(tmp_path / "c")(torch.tensor([4, 1]))
-    ref_f, ref_h = FeatureMemo(t, rows)(torch.tensor([4, 1]))[:2]
-    assert f.dtype == torch.float32
-    assert torch.equal(f, ref_f.bfloat16().float()) and torch.equal(h, ref_h.bfloat16().float())
+    got = DiskFeatures(tmp_path / "c")(torch.tensor([4, 1]))
+    ref = FeatureMemo(t, rows)(torch.tensor([4, 1]))
+    assert got.features.dtype == torch.float32
+    assert torch.equal(got.features, ref.features.bfloat16().float())
+    assert torch.equal(got.final_hidden, ref.final_hidden.bfloat16().float())
+
+
+def test_a_cache_is_bound_to_its_data_and_shard_layout(tmp_path):
+    """Other data (or another shard size) in the same directory is refused, never mixed in."""
+    t = tiny_target("llama")
+    a, b = tiny_rows(4), tiny_rows(4, seed=7)
+    extract(t, a, tmp_path / "c", shard_rows=1, progress=False)
+    with pytest.raises(ValueError, match="other data"):
+        extract(t, b, tmp_path / "c", shard_rows=1, progress=False)
+    with pytest.raises(ValueError, match="shard_rows"):
+        extract(t, a, tmp_path / "c", shard_rows=2, progress=False)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        extract(t, a, tmp_path / "x", shard_rows=1, progress=False)
+
+
+def test_a_disk_cache_scores_only_the_draft_rows(tmp_path, monkeypatch):
+    """Training from `blockdraft extract` shards with a draft vocabulary runs the head on the draft
+    rows only (the stored argmax stands in for the full head), with the memo's loss."""
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=40))
+    d.set_draft_vocab(torch.arange(0, 80, 2))
+    rows = tiny_rows(4)
+    extract(t, rows, tmp_path / "c", shard_rows=2, progress=False)
+    idx = torch.tensor([3, 1])
+    b = rows_batch(rows, idx)
+    calls = []
+    real = t.head
+    monkeypatch.setattr(t, "head", lambda h, r=None: calls.append(r is None) or real(h, r))
+    disk = compute_loss(t, d, b, max_anchors=6, loss="kl", generator=torch.Generator().manual_seed(0),
+                        cached=DiskFeatures(tmp_path / "c")(idx))
+    assert calls and not any(calls)  # never the full head
+    memo = compute_loss(t, d, b, max_anchors=6, loss="kl", generator=torch.Generator().manual_seed(0),
+                        cached=FeatureMemo(t, rows)(idx))
+    torch.testing.assert_close(disk[0], memo[0], rtol=1e-6, atol=1e-6)

@@ -2,18 +2,22 @@
 
 Legend: R packed rows of L tokens, F*Ht feature width, Ht target hidden size.
 
-Per row, what training needs from the target: the context features [L, F*Ht] (clause 1)
-and the final normed hidden state [L, Ht], from which the target's own head gives its
-logits (clause 3: one norm, never two). A disk cache carries a manifest (target name,
-layer ids, tokenizer hash, dtype, row length); a cache made for another target,
-tokenizer or layer ids is refused. Shards are written atomically; a restart skips the
-finished ones.
+Per row, what training needs from the target (one `StoredOutputs` record, from the memo and
+the disk cache alike): the context features [L, F*Ht] (clause 1), the final normed hidden
+state [L, Ht], from which the target's own head gives its logits (clause 3: one norm, never
+two), and the target's full-vocabulary argmax [L], so that a drafter with a draft vocabulary
+runs the head on its draft rows only. A disk cache carries a manifest (target name, layer
+ids, tokenizer hash, dtype, row length, shard layout, a hash of the rows); a cache made for
+another target, tokenizer, layer ids or data is refused. Shards are written atomically; a
+restart skips the finished ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,37 +27,47 @@ MANIFEST = "manifest.json"
 ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
 
 
+@dataclass
+class StoredOutputs:
+    """The target's outputs for some rows, as training reads them instead of running the target."""
+
+    features: torch.Tensor  # [n, L, F*Ht]
+    final_hidden: torch.Tensor  # [n, L, Ht] after the target's own final norm
+    top: torch.Tensor | None = None  # [n, L] the target's full-vocabulary argmax (None: run the full head)
+
+
 @torch.no_grad()
-def target_outputs(target, rows: dict, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [n, L, F*Ht], final_hidden [n, L, Ht]) of the given rows, on the CPU."""
+def target_outputs(target, rows: dict, idx: torch.Tensor) -> StoredOutputs:
+    """Features, final normed state and full-vocabulary argmax of the given rows, on the CPU."""
     out = target(rows["input_ids"][idx].to(target.device), position_ids=rows["position_ids"][idx].to(target.device),
                   return_final_hidden=True)
-    return out.features.cpu(), out.final_hidden.cpu()
+    return StoredOutputs(out.features.cpu(), out.final_hidden.cpu(), full_argmax(target, out.final_hidden).cpu())
+
+
+@torch.no_grad()
+def full_argmax(target, final: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """[..., L, Ht] final states -> [..., L] the target's argmax, the head run a chunk of rows at a time."""
+    flat = final.reshape(-1, final.shape[-1])
+    dev, dt = target.device, target.dtype
+    top = torch.cat([target.head(flat[i:i + chunk].to(dev, dt)).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    return top.reshape(final.shape[:-1])
 
 
 class FeatureMemo:
-    """Computes a row's target outputs on first use and keeps them (small datasets, many epochs):
-    features, final normed state, and the target's full-vocabulary argmax at every position, so
-    that later steps with a draft vocabulary run the head on the draft rows only."""
+    """Computes a row's target outputs on first use and keeps them (small datasets, many epochs)."""
 
     def __init__(self, target, rows: dict):
         self.target, self.rows = target, rows
         self.store: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, idx: torch.Tensor) -> StoredOutputs:
         missing = [i for i in idx.tolist() if i not in self.store]
         if missing:
-            f, h = target_outputs(self.target, self.rows, torch.tensor(missing))
+            got = target_outputs(self.target, self.rows, torch.tensor(missing))
             for j, i in enumerate(missing):
-                self.store[i] = (f[j], h[j], self._argmax(h[j]))
-        got = [self.store[i] for i in idx.tolist()]
-        return tuple(torch.stack([g[k] for g in got]) for k in range(3))
-
-    @torch.no_grad()
-    def _argmax(self, final: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-        dev, dt = self.target.device, self.target.dtype
-        return torch.cat([self.target.head(final[i:i + chunk].to(dev, dt)).argmax(-1).cpu()
-                          for i in range(0, final.shape[0], chunk)])
+                self.store[i] = (got.features[j], got.final_hidden[j], got.top[j])
+        rows = [self.store[i] for i in idx.tolist()]
+        return StoredOutputs(*(torch.stack([r[k] for r in rows]) for k in range(3)))
 
 
 def memo_bytes(target, rows: dict) -> int:
@@ -66,6 +80,15 @@ def cache_identity(target, max_length: int, dtype: torch.dtype) -> dict:
             "hidden_size": target.hidden_size, "dtype": str(dtype).replace("torch.", ""), "max_length": max_length}
 
 
+def rows_hash(rows: dict) -> str:
+    """A hash of the packed rows (ids, masks, positions, documents): other data, another cache."""
+    h = hashlib.sha256()
+    for key in ROW_KEYS:
+        t = rows[key].to(torch.int64).contiguous()
+        h.update(key.encode() + str(tuple(t.shape)).encode() + t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16, dtype: torch.dtype = torch.float32,
             rank: int = 0, world: int = 1, progress: bool = True) -> Path:
     """Write shard files shard-{k}.safetensors for the shards k with k % world == rank."""
@@ -74,14 +97,18 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     R, L = rows["input_ids"].shape
-    ident = cache_identity(target, L, dtype)
+    ident = dict(cache_identity(target, L, dtype), rows=R, shard_rows=shard_rows, rows_hash=rows_hash(rows))
     mpath = out / MANIFEST
     if mpath.exists():
         old = json.loads(mpath.read_text())
-        if {k: old.get(k) for k in ident} != ident:
-            raise ValueError(f"{out} holds a cache made with other settings; use a new directory")
+        changed = [k for k in ident if old.get(k) != ident[k]]
+        if changed:
+            raise ValueError(f"{out} holds a cache made with other settings ({', '.join(changed)} differ"
+                             f"{': other data' if 'rows_hash' in changed else ''}); use a new directory")
+    elif any(not p.name.startswith(("shard-", MANIFEST)) for p in out.iterdir()):  # other ranks' shards may be there
+        raise ValueError(f"{out} is not empty and holds no feature cache; use a new directory")
     n_shards = (R + shard_rows - 1) // shard_rows
-    manifest = dict(ident, rows=R, shard_rows=shard_rows, shards=[f"shard-{k:05d}.safetensors" for k in range(n_shards)])
+    manifest = dict(ident, shards=[f"shard-{k:05d}.safetensors" for k in range(n_shards)])
     if rank == 0:
         _write_json(mpath, manifest)
     mine = [k for k in range(n_shards) if k % world == rank]
@@ -90,9 +117,10 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         if path.exists():
             continue  # finished before a restart
         idx = torch.arange(k * shard_rows, min(R, (k + 1) * shard_rows))
-        f, h = target_outputs(target, rows, idx)
+        got = target_outputs(target, rows, idx)
         tensors = {key: rows[key][idx].contiguous() for key in ROW_KEYS}
-        tensors.update(features=f.to(dtype).contiguous(), final_hidden=h.to(dtype).contiguous())
+        tensors.update(features=got.features.to(dtype).contiguous(), final_hidden=got.final_hidden.to(dtype).contiguous(),
+                       top=got.top.contiguous())
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
@@ -147,10 +175,10 @@ class DiskFeatures:
             self._handles[k] = safe_open(self._paths[k], "pt", device="cpu")
         return self._handles[k]
 
-    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, idx: torch.Tensor) -> StoredOutputs:
         import bisect
 
-        feats, finals = [], []
+        feats, finals, tops = [], [], []
         for i in idx.tolist():
             if not 0 <= i < self._starts[-1]:
                 raise IndexError(f"row {i} is outside this cache's {self._starts[-1]} rows")
@@ -158,4 +186,7 @@ class DiskFeatures:
             j, fh = i - self._starts[k], self._open(k)
             feats.append(fh.get_slice("features")[j:j + 1])
             finals.append(fh.get_slice("final_hidden")[j:j + 1])
-        return torch.cat(feats).float(), torch.cat(finals).float()
+            if "top" in fh.keys():  # caches written before the argmax was stored have none
+                tops.append(fh.get_slice("top")[j:j + 1])
+        top = torch.cat(tops) if len(tops) == len(feats) else None
+        return StoredOutputs(torch.cat(feats).float(), torch.cat(finals).float(), top)

@@ -103,9 +103,10 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator:
             anchors: torch.Tensor | None = None, cached=None) -> Prepared:
     """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
 
-    `anchors` (flat, sorted) overrides sampling. `cached` = (features [Bz, T, F*Ht], final_hidden
-    [Bz, T, Ht]) stored earlier replaces the target forward: the labels are then the target's own
-    head on its final normed state, which equals its logits (one norm, never two).
+    `anchors` (flat, sorted) overrides sampling. `cached` (data.features.StoredOutputs, stored
+    earlier) replaces the target forward: the labels are then the target's own head on its final
+    normed state, which equals its logits (one norm, never two); with its full-vocabulary argmax
+    known, a draft vocabulary's rows are all the head computes.
     """
     B = drafter.block_size
     Bz, T = batch.input_ids.shape
@@ -133,16 +134,15 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator:
         out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep.view(Bz, T))
         labels, feats = out.logits[row_of[lpos]], out.features.reshape(Bz * T, -1)
     else:
-        feats_c, final = (t.to(dev) for t in cached[:2])
         rows = drafter.vocab_rows
         with torch.no_grad():
-            hidden = final.reshape(Bz * T, -1)[keep].to(target.dtype)
-            if len(cached) > 2 and rows is not None:  # the full-vocabulary argmax is known: draft rows only
-                top = cached[2].to(dev).reshape(Bz * T)[lpos]
+            hidden = cached.final_hidden.to(dev).reshape(Bz * T, -1)[keep].to(target.dtype)
+            if cached.top is not None and rows is not None:  # the full-vocabulary argmax is known: draft rows only
+                top = cached.top.to(dev).reshape(Bz * T)[lpos]
                 labels = RestrictedLabels(target.head(hidden, rows)[row_of[lpos]], top)
             else:
                 labels = target.head(hidden)[row_of[lpos]]
-        feats = feats_c.reshape(Bz * T, -1)
+        feats = cached.features.to(dev).reshape(Bz * T, -1)
     embeds = target.embed(block_input_ids(flat.input_ids, anchors, B, drafter.mask_token_id))  # [N, B, Hd]
     return Prepared(anchors, sup, labels, feats, embeds, BlockLayout(flat.document_ids, flat.position_ids, anchors, B))
 
