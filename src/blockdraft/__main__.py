@@ -4,4 +4,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # engines that spawn processes (vLLM) re-import the main module
+    sys.exit(main())

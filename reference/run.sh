@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The consumers' reference suite: speculators, z-lab's dflash and vLLM load blockdraft's files as
+# written and compute the same function (see reference/README.md). Run after the main suite, which
+# converts the SmolLM2 target into the local cache the reference environments read.
+#   MAIN_PYTHON   the project's interpreter (default .venv/bin/python), used to fill the cache
+#   REFERENCE_RESULTS  where the vLLM figures are written (default runs/reference-vllm.json)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+bash reference/setup.sh
+"${MAIN_PYTHON:-.venv/bin/python}" -c "from blockdraft.target import resolve_target; resolve_target('smollm2')"
+export PYTHONPATH="$ROOT/src:$ROOT/reference"
+export REFERENCE_RESULTS="${REFERENCE_RESULTS:-$ROOT/runs/reference-vllm.json}"
+mkdir -p "$(dirname "$REFERENCE_RESULTS")"
+BASE="${TMPDIR:-/tmp}/blockdraft-reference-$$"
+.venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/spec" -rs \
+  reference/test_dflash.py reference/test_speculators.py
+.venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/vllm" -rs reference/test_vllm.py
+rm -rf "$BASE"

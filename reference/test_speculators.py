@@ -1,0 +1,168 @@
+"""vllm-project/speculators (0.9.0) loads `blockdraft convert --to speculators` output as written and
+computes the same drafter; on one packed batch with the same anchors its training step and ours
+agree (loss up to the stated normalisation factor, per-slot accuracy, fc gradient).
+
+Run in the speculators/dflash environment: `reference/run.sh` (PYTHONPATH=src).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import ANCHOR_CASES, CASES, TINY_V, B, W, save_target, smollm2_target, smollm2_variants, threads, \
+    tiny_drafter, tiny_target
+
+from blockdraft.checkpoint.native import export_drafter
+from blockdraft.model import BlockLayout
+from blockdraft.model.blocks import block_input_ids
+from blockdraft.train import Batch, compute_loss
+from blockdraft.train.loss import slot_weights
+
+core = pytest.importorskip("speculators.models.dflash.core")
+losses = pytest.importorskip("speculators.losses")
+threads()
+
+
+def load_speculators(path):
+    """speculators' own loader; its default attention is flex, which has no CPU path: sdpa here."""
+    cfg = core.DFlashSpeculatorConfig.from_pretrained(str(path))
+    cfg.transformer_layer_config._attn_implementation = "sdpa"
+    return core.DFlashDraftModel.from_pretrained(str(path), config=cfg).float().eval()
+
+
+def packed_rows(target, T=64, docs=(0, 24, 44), prompt=6, seed=3):
+    """One packed row of three documents whose first `prompt` tokens are not learned (so no block
+    reaches into the next document's learned tokens: speculators trains those slots, we do not)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY_V - 1, (1, T), generator=g)
+    doc = torch.zeros(1, T, dtype=torch.long)
+    for s in docs[1:]:
+        doc[:, s:] += 1
+    loss = torch.ones(1, T, dtype=torch.long)
+    for s in docs:
+        loss[:, s:s + prompt] = 0
+    return ids, doc, loss
+
+
+def target_inputs(target, ids, doc):
+    """The target's features [1, T, F*H] and last decoder layer output before the final norm
+    [1, T, H] (what speculators takes: it applies the verifier's norm and head itself)."""
+    from blockdraft.train.step import positions_from_documents
+
+    pos = positions_from_documents(doc)
+    seen = {}
+    hook = target._layers[-1].register_forward_hook(lambda m, i, o: seen.update(last=o[0] if isinstance(o, tuple)
+                                                                                  else o))
+    try:
+        out = target(ids, position_ids=pos, return_logits=False)
+    finally:
+        hook.remove()
+    return out.features, seen["last"], pos
+
+
+def their_forward(model, target, ids, doc, loss, n_anchors, seed=0):
+    feats, last, pos = target_inputs(target, ids, doc)
+    torch.manual_seed(seed)  # speculators draws its anchors from the global generator
+    hidden, logits, targets, mask, idx = model._backbone_forward(feats, ids, loss, last, doc, pos,
+                                                                 max_anchors=n_anchors)
+    b = model.block_size
+    return logits[0].view(-1, b, logits.shape[-1]), targets[0], mask[0], idx.view(-1, b)[:, 0], feats, pos
+
+
+def our_logits(target, ours, ids, doc, pos, feats, anchors):
+    flat_doc, flat_pos = doc.reshape(-1), pos.reshape(-1)
+    layout = BlockLayout(flat_doc, flat_pos, anchors, ours.block_size)
+    emb = target.embed(block_input_ids(ids.reshape(-1), anchors, ours.block_size, ours.mask_token_id))
+    with torch.no_grad():
+        hidden = ours(feats.reshape(flat_doc.shape[0], -1), emb, layout, backend="dense")
+    return target.head(hidden, ours.vocab_rows)  # [N, B, Vd]
+
+
+def export(tmp_path, target, ours, **kw):
+    verifier = save_target(target, tmp_path / "verifier")
+    path, _ = export_drafter(ours, tmp_path / "spec", "speculators", verifier=verifier, **kw)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(ANCHOR_CASES) + ["full-2layers", "draft-vocab"])
+def test_speculators_drafter_equals_ours(tmp_path, case):
+    """speculators windows from the anchor, like blockdraft's anchor rule: equal everywhere."""
+    target = tiny_target()
+    ours = tiny_drafter(target, {**CASES, **ANCHOR_CASES}[case])
+    theirs = load_speculators(export(tmp_path, target, ours, allow_mismatch=True))
+    assert not torch.isnan(theirs.lm_head.weight).any()  # the head came from the file / the verifier
+    ids, doc, loss = packed_rows(target)
+    logits, _, _, anchors, feats, pos = their_forward(theirs, target, ids, doc, loss, n_anchors=20)
+    mine = our_logits(target, ours, ids, doc, pos, feats, anchors)
+    assert int(anchors.max()) > W  # anchors on both sides of W - B + 1
+    torch.testing.assert_close(logits, mine, rtol=1e-4, atol=1e-4)
+
+
+def test_speculators_trains_a_query_window_drafter_as_another_function(tmp_path):
+    """The engines' query window is not speculators' rule: its drafts equal ours only while every
+    query's window still reaches the document start, as DESIGN.md's table says."""
+    target = tiny_target()
+    ours = tiny_drafter(target, CASES["sliding-causal"])
+    theirs = load_speculators(export(tmp_path, target, ours))
+    ids, doc, loss = packed_rows(target)
+    logits, _, _, anchors, feats, pos = their_forward(theirs, target, ids, doc, loss, n_anchors=30)
+    mine = our_logits(target, ours, ids, doc, pos, feats, anchors)
+    for j, a in enumerate(anchors.tolist()):
+        diff = (logits[j] - mine[j]).abs().max().item()
+        if int(pos[0, a]) <= W - B:
+            assert diff < 1e-4, (a, diff)
+        else:
+            assert diff > 1e-4, (a, diff)
+
+
+def per_slot_accuracy(metrics) -> list[float]:
+    return [float(metrics[f"position_{k}_acc_sum"] / metrics[f"position_{k}_acc_total"]) for k in range(1, B)]
+
+
+@pytest.mark.parametrize("case", ["full-2layers", "anchor-causal"])
+def test_one_training_step_matches_speculators(tmp_path, case):
+    """Same packed batch, same anchors, same gamma, KL loss. speculators divides the weighted loss
+    by the number of supervised slots S, blockdraft by the sum of their weights: ours x sum(w)/S
+    is theirs. Per-slot accuracy and the fc gradient (same factor) agree too."""
+    target = tiny_target()
+    ours = tiny_drafter(target, {**CASES, **ANCHOR_CASES}[case]).train()
+    theirs = load_speculators(export(tmp_path, target, ours, allow_mismatch=True)).train()
+    ids, doc, loss = packed_rows(target)
+    feats, last, pos = target_inputs(target, ids, doc)
+    gamma = 2.0
+    torch.manual_seed(0)
+    _, their_loss, metrics = theirs(feats, ids, loss, last, doc, pos, gamma=gamma, max_anchors=24,
+                                    loss_config=losses.resolve_loss_config("kl_div", "eager"))
+    their_loss.backward()
+    torch.manual_seed(0)
+    _, _, _, anchors, _, _ = their_forward(theirs, target, ids, doc, loss, n_anchors=24)  # the same draw
+    batch = Batch(ids, loss, pos, doc)
+    my_loss, m = compute_loss(target, ours, batch, anchors=anchors, gamma=gamma, loss="kl", backend="dense")
+    my_loss.backward()
+    sup = torch.tensor(m["slot_counts"], dtype=torch.float)
+    w = slot_weights(B, gamma)
+    factor = float((w * sup).sum() / sup.sum())  # sum of the supervised slots' weights / S
+    torch.testing.assert_close(their_loss.detach(), my_loss.detach() * factor, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(per_slot_accuracy(metrics)), torch.tensor(m["slot_accuracy"][1:]))
+    assert float(metrics["loss_sum"]) == pytest.approx(float(their_loss), rel=1e-6)
+    torch.testing.assert_close(theirs.fc.weight.grad, ours.fc.weight.grad * factor, rtol=1e-3, atol=1e-7)
+    assert ours.fc.weight.grad.abs().max() > 0
+
+
+def test_smollm2_drafter_loads_as_written_and_matches(tmp_path):
+    """The shipped SmolLM2 drafter (anchor rule, sliding, draft vocabulary) through its converter,
+    on real text: speculators' logits equal ours; the verifier path is the local target."""
+    target = smollm2_target([1, 8, 14, 21, 27])
+    ours = smollm2_variants()["shipped"]
+    from blockdraft.checkpoint.native import default_verifier
+
+    path, found = export_drafter(ours, tmp_path / "spec", "speculators", allow_mismatch=True)
+    assert any(f.consumer == "vLLM" for f in found)  # the anchor rule is refused for serving without the flag
+    theirs = load_speculators(path)
+    assert theirs.config.speculators_config.verifier.name_or_path == default_verifier("smollm2")
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    ids = target.tokenizer(text, return_tensors="pt")["input_ids"][:, :64]
+    doc, loss = torch.zeros_like(ids), torch.ones_like(ids)
+    logits, _, _, anchors, feats, pos = their_forward(theirs, target, ids, doc, loss, n_anchors=12)
+    mine = our_logits(target, ours, ids, doc, pos, feats, anchors)
+    torch.testing.assert_close(logits, mine, rtol=1e-4, atol=2e-4)

@@ -1,0 +1,1 @@
+"""Serving engines run from blockdraft (optional installs, imported lazily)."""

