@@ -33,6 +33,48 @@ def test_all_pass_on_a_sound_setup():
     s = statuses(doctor.run_doctor(t, d, None, ids))
     assert s.pop("data") == "WARN"  # no data given
     assert set(s.values()) == {"PASS"}, s
+    assert "serving = training" in s and "serving engines" in s
+
+
+def test_without_a_drafter_the_target_is_checked_and_the_rest_named_as_skipped():
+    t, _, ids = setup()
+    checks = doctor.run_doctor(t, None, None, ids)
+    s = statuses(checks)
+    assert s.pop("data") == "WARN"
+    skipped = {n for n, v in s.items() if v == "SKIP"}
+    assert skipped == set(doctor.NEEDS_CHECKPOINT)
+    assert {v for n, v in s.items() if n not in skipped} == {"PASS"}, s
+    assert "probe drafter" in next(c for c in checks if c.name == "mask").message
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_serving_check_catches_a_training_path_that_is_not_the_served_one(monkeypatch, sliding):
+    """The drafter trained (packed layout, chunked attention) must be the one generation runs
+    (cached drafting): a window counted differently in training only is caught."""
+    kw = dict(layer_types=["sliding_attention"], sliding_window=3, sliding_causal_in_block=True) if sliding else {}
+    t, d, ids = setup(**kw)
+    with torch.no_grad():  # weights far from their initialisation, so every slot's draft depends on its keys
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    ids = ids[:, :24]
+    assert doctor.check_serving(t, d, ids).status == "PASS"
+    import blockdraft.model.attention as attention
+
+    real = attention.anchor_block_attention
+
+    def other_rule(q, kc, vc, kb, vb, layout, vis, **k):  # training flips the in-block causality
+        return real(q, kc, vc, kb, vb, layout, attention.LayerVisibility(vis.window, not vis.causal, vis.rule), **k)
+
+    monkeypatch.setattr("blockdraft.model.layers.anchor_block_attention", other_rule)
+    assert doctor.check_serving(t, d, ids).status == "FAIL"
+
+
+def test_engines_check_warns_on_an_anchor_window_drafter():
+    _, d, _ = setup(layer_types=["sliding_attention"], sliding_window=8, sliding_window_rule="anchor")
+    c = doctor.check_engines(d)
+    assert c.status == "WARN" and "vLLM" in c.message and "own position" in c.message
+    _, q, _ = setup(layer_types=["sliding_attention"], sliding_window=8)
+    assert doctor.check_engines(q).status == "PASS"
 
 
 def test_labels_check_catches_an_off_by_one(monkeypatch):
@@ -95,13 +137,6 @@ def test_pairing_and_layer_ids_checks():
     assert doctor.check_layer_ids(other, d).status == "FAIL"
     wide = tiny_target("llama", hidden=48)
     assert doctor.check_pairing(wide, d).status == "FAIL"
-
-
-def test_sliding_check_warns_on_bidirectional_sliding_layers():
-    _, d, _ = setup(layer_types=["sliding_attention"], sliding_window=8)
-    assert doctor.check_sliding(d).status == "WARN"
-    _, d2, _ = setup(layer_types=["sliding_attention"], sliding_window=8, sliding_causal_in_block=True)
-    assert doctor.check_sliding(d2).status == "PASS"
 
 
 def test_greedy_check_catches_a_broken_acceptance(monkeypatch):

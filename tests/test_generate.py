@@ -282,7 +282,7 @@ def test_bad_requests():
 @pytest.mark.slow
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_greedy_identity_on_smollm2(smollm2_dir, block_size):
-    from blockdraft.bench.prompts import encode
+    from blockdraft.data.chat import encode_prompt as encode
     from blockdraft.target import TargetModel
 
     t = TargetModel.from_pretrained("smollm2")
@@ -316,7 +316,7 @@ def test_bench_reports_identical_outputs(smollm2_dir, tmp_path):
 
 @pytest.mark.slow
 def test_the_default_drafter_loads_and_is_lossless(smollm2_dir):
-    from blockdraft.bench.prompts import encode
+    from blockdraft.data.chat import encode_prompt as encode
     from blockdraft.target import stop_token_ids as stop_ids
     from blockdraft.checkpoint import load_drafter
     from blockdraft.generate.baseline import target_greedy

@@ -20,21 +20,53 @@ def _threads(args) -> None:
 
 def cmd_regenerate(args) -> int:
     from .data import load_conversations
-    from .data.default_prompts import build_prompts
+    from .data.prompt_set import DEFAULT_PROMPTS, read_prompts
     from .data.regenerate import regenerate
-    from .target import TargetModel
+    from .target import TargetFiles, TargetModel
     from .train.run import spread_kwargs
 
     _threads(args)
     if args.prompts == "default":
-        prompts = [(p["id"], p["messages"]) for p in build_prompts(args.n, seed=args.seed)]
+        prompts = read_prompts(DEFAULT_PROMPTS)
+    elif args.prompts.endswith((".jsonl", ".jsonl.gz")) and _is_prompt_file(args.prompts):
+        prompts = read_prompts(args.prompts)
     else:
         convs, stats = load_conversations(args.prompts, skip_bad_lines=args.skip_bad_lines, require_assistant=False)
-        prompts = list(enumerate(convs))[: args.n]
-    target = TargetModel.from_pretrained(args.target, device=args.device, **spread_kwargs(args))
-    res = regenerate(target.model, target.tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                     batch_size=args.batch_size)
+        prompts = list(enumerate(convs))
+    prompts = prompts[: args.n] if args.n else prompts
+    if args.engine == "vllm":
+        target = TargetFiles.resolve(args.target)  # vLLM loads the weights itself
+    else:
+        target = TargetModel.from_pretrained(args.target, device=args.device, **spread_kwargs(args))
+    res = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                     engine=args.engine, progress=not args.no_progress)
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
+    return 0
+
+
+def _is_prompt_file(path: str) -> bool:
+    """A file of {"id", "messages"} prompt records (what `blockdraft prompts` writes)."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            first = json.loads(f.readline() or "{}")
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and "id" in first and "messages" in first
+
+
+def cmd_prompts(args) -> int:
+    from .data.prompt_set import build_prompt_set, write_prompts
+
+    _threads(args)
+    records = build_prompt_set(args.target, args.magpie, args.builtin, engine=args.engine, seed=args.seed)
+    out = write_prompts(records, args.out)
+    kinds = {}
+    for r in records:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    print(f"wrote {len(records)} prompts ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}) -> {out}")
     return 0
 
 
@@ -67,7 +99,7 @@ def _load_pair(args):
 
 
 def cmd_generate(args) -> int:
-    from .bench.prompts import encode
+    from .data.chat import encode_prompt as encode
     from .target import stop_token_ids
     from .generate import speculative_generate
 
@@ -138,7 +170,7 @@ def cmd_doctor(args) -> int:
     from .doctor import FAIL, doctor_main, report
 
     _threads(args)
-    checks = doctor_main(args.target, args.drafter, args.data, args.device)
+    checks = doctor_main(args.target, args.drafter, args.data, args.device, vllm=args.vllm, debug=args.debug)
     print(report(checks, as_json=args.json))
     return 1 if any(c.status == FAIL for c in checks) else 0
 
@@ -222,14 +254,25 @@ def _add_train_schedule(t) -> None:
 def _add_regenerate(sub) -> None:
     r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set")
     _target_args(r)
-    r.add_argument("--prompts", default="default", help="conversations file, or 'default' (built-in prompt mix)")
+    r.add_argument("--prompts", default="default",
+                   help="prompt records or conversations file, or 'default' (the bundled prompt set)")
     r.add_argument("--out", required=True)
-    r.add_argument("--n", type=int, default=800)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--n", type=int, default=0, help="answer only the first N prompts (0: all)")
     r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (vLLM: 64-256)")
+    r.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
     r.add_argument("--skip-bad-lines", action="store_true")
+    r.add_argument("--no-progress", action="store_true")
     r.set_defaults(fn=cmd_regenerate)
+    p = sub.add_parser("prompts", help="build a prompt set: user turns the target writes (Magpie) + built-in ones")
+    _target_args(p)
+    p.add_argument("--out", required=True, help="prompt records, JSONL (gzip if it ends .gz)")
+    p.add_argument("--magpie", type=int, default=1000, help="user turns sampled from the target")
+    p.add_argument("--builtin", type=int, default=0, help="prompts built from the Python stdlib and man pages")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_prompts)
 
 
 def _add_extract(sub) -> None:
@@ -266,8 +309,12 @@ def _add_convert(sub) -> None:
 def _add_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint")
     _target_args(d)
-    d.add_argument("--drafter", default="default")
+    d.add_argument("--drafter", default=None,
+                   help="drafter directory or 'default' (without one, the checks that need no checkpoint run on "
+                        "the target alone, before training)")
     d.add_argument("--data", default=None, help="conversations to check the loss masks on")
+    d.add_argument("--vllm", action="store_true",
+                   help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_doctor)
 
@@ -324,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(sub)
     _add_generate(sub)
     _add_bench(sub)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return p
 
 
@@ -347,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args) or 0)
     except ValueError as e:
+        if args.debug:
+            raise
         print(f"blockdraft {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

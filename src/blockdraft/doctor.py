@@ -1,18 +1,22 @@
 """`blockdraft doctor`: the DFlash contract checked on the user's own target, data and checkpoint.
 
-Every check returns PASS, WARN or FAIL with a one-line explanation and what to do. Each
+Every check returns PASS, WARN, FAIL or SKIP with a one-line explanation and what to do. Each
 compares this code path against an independent reference on the user's own setup: the
-target's own logits, the dense mask, the target's own greedy decoding.
+target's own logits, the dense mask, the target's own greedy decoding, the training path
+against the serving path. Without a checkpoint (`--target` alone, before training) the checks
+that need none run on a probe drafter of `blockdraft train`'s default layout; the others are
+named as skipped.
 """
 
 from __future__ import annotations
 
 import json
+import traceback
 from dataclasses import asdict, dataclass
 
 import torch
 
-PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 
 
 @dataclass
@@ -23,11 +27,13 @@ class Check:
     fix: str = ""
 
 
-def _guard(name: str, fn, *args) -> Check:
+def _guard(name: str, fn, *args, debug: bool = False) -> Check:
     try:
         return fn(*args)
     except Exception as e:  # a crash in a check is reported as its failure, never hidden
-        return Check(name, FAIL, f"{type(e).__name__}: {e}", "see the traceback with --debug")
+        if debug:
+            traceback.print_exc()
+        return Check(name, FAIL, f"{type(e).__name__}: {e}", "rerun with --debug for the traceback")
 
 
 def check_layer_ids(target, drafter) -> Check:
@@ -76,11 +82,12 @@ def check_mask(drafter) -> Check:
     for cut in (20, 51, 70):
         doc[cut:] += 1
     anchors = torch.sort(torch.randperm(T, generator=g)[:12]).values
-    for i in range(drafter.config.num_hidden_layers):
-        w, causal = drafter.config.layer_window(i), drafter.config.layer_causal_in_block(i)
-        ref = anchor_block_mask(doc, anchors, drafter.block_size, w, causal)
+    c = drafter.config
+    for i in range(c.num_hidden_layers):
+        w, causal = c.layer_window(i), c.layer_causal_in_block(i)
+        ref = anchor_block_mask(doc, anchors, drafter.block_size, w, causal, c.sliding_window_rule)
         fast = chunked_mask_as_dense(doc, anchors, drafter.block_size, max_blocks=3, sliding_window=w,
-                                     causal_in_block=causal)
+                                     causal_in_block=causal, window_rule=c.sliding_window_rule)
         if not torch.equal(ref, fast):
             n = int((ref != fast).sum())
             return Check("mask", FAIL, f"layer {i}: the fast mask differs from the dense reference in {n} places",
@@ -97,30 +104,44 @@ def check_mask_token(target, drafter) -> Check:
     row = target.model.get_input_embeddings().weight[m]
     if not torch.isfinite(row).all():
         return Check("mask token", FAIL, f"embedding row of MASK ({m}) is not finite", "pick another MASK token")
-    return Check("mask token", PASS, f"MASK = {m} ({target.tokenizer.convert_ids_to_tokens(m) if target.tokenizer else m})"
-                 ", inside the vocabulary, not pad/eos/bos/unk, finite embedding")
+    name = target.tokenizer.convert_ids_to_tokens(m) if target.tokenizer else m
+    return Check("mask token", PASS, f"MASK = {m} ({name}), inside the vocabulary, not pad/eos/bos/unk, finite embedding")
 
 
 def check_pairing(target, drafter) -> Check:
-    from .generate import check_pair
+    from .pairing import pair_problems
 
-    try:
-        check_pair(target, drafter)
-    except ValueError as e:
-        return Check("target match", FAIL, str(e), "use the drafter trained for this target")
+    problems = pair_problems(target, drafter)
+    if problems:
+        return Check("target match", FAIL, "trained for another target: " + "; ".join(problems),
+                     "use the drafter trained for this target")
     return Check("target match", PASS, "hidden size, vocabulary, layers and tokenizer agree")
 
 
-def check_sliding(drafter) -> Check:
-    c = drafter.config
-    sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
-    if not sliding:
-        return Check("sliding layers", PASS, "no sliding-window layers: no train/serve mismatch possible")
-    if not c.sliding_causal_in_block:
-        return Check("sliding layers", WARN, f"layers {sliding} slide and are bidirectional in the block; vLLM runs "
-                     "sliding-window draft layers causally", "serve with an engine that honours the flag, or retrain "
-                     "with sliding_causal_in_block=True")
-    return Check("sliding layers", PASS, f"layers {sliding} slide, causal in the block as engines serve them")
+def check_family(target) -> Check:
+    from .family import describe
+
+    fam = describe(target.model)
+    if fam.norm_rule == "not an RMSNorm":
+        return Check("target family", WARN, fam.summary(), "start the drafter's output norm small "
+                     "(--final-norm-init small): blockdraft cannot copy this norm")
+    note = "" if fam.mlp_activation == "silu" else f"; its {fam.mlp_activation} MLP is not copied into the drafter"
+    return Check("target family", PASS, fam.summary() + note)
+
+
+def check_engines(drafter) -> Check:
+    """What each consumer of each export computes (checkpoint.formats): a serving engine that would
+    compute another function is a WARN naming it; everything else is listed."""
+    from .checkpoint.formats import FORMATS
+
+    found = [(name, d) for name, f in FORMATS.items() for d in f.differences(drafter.config)]
+    refused = [f"{name} -> {d}" for name, d in found if d.refuse]
+    if refused:
+        return Check("serving engines", WARN, "; ".join(refused),
+                     "retrain with the engines' rule (blockdraft train --window-rule query)")
+    notes = "; ".join(f"{name} -> {d}" for name, d in found)
+    return Check("serving engines", PASS, "dflash, SGLang and vLLM compute this drafter's function"
+                 + (f" (notes: {notes})" if notes else ""))
 
 
 def check_data(target, path: str | None) -> Check:
@@ -162,8 +183,69 @@ def check_greedy(target, drafter, sample_ids: torch.Tensor) -> Check:
     return Check("greedy identity", PASS, f"24 tokens identical to the target's own greedy decode (tau {got.tau:.2f})")
 
 
+def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int = 48):
+    """The drafts of `speculative_generate` (the serving path: cached drafting) and those of the
+    training path (packed layout, training attention, teacher-forced on the generated text, anchors
+    where the steps were), per step and slot, plus both paths' accepted lengths. The last step is
+    left out (generation shrinks it to the room left)."""
+    from .generate import speculative_generate
+    from .train import Batch, prepare
+    from .train.loss import accepted_lengths
+
+    res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens)
+    P, B = ids.shape[1], drafter.block_size
+    before = [1]
+    for a in res.accepted[:-1]:
+        before.append(before[-1] + a)
+    steps = len(before) - 1
+    anchors = torch.tensor([P + c - 1 for c in before[:-1]], dtype=torch.long)
+    seq = torch.cat([ids[0].cpu(), torch.tensor(res.tokens, dtype=torch.long)])[None]
+    loss_mask = (torch.arange(seq.shape[1]) >= P).long()[None]
+    with torch.no_grad():
+        p = prepare(target, drafter, Batch(seq, loss_mask), anchors=anchors.to(target.device))
+        dt = drafter.fc.weight.dtype
+        hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout)  # [N, B, Hd]
+        top = target.head(hidden.to(target.dtype), drafter.vocab_rows).argmax(-1)  # [N, B]
+        trained = (top if drafter.vocab_rows is None else drafter.vocab_rows[top]).cpu()[:, 1:]
+        want = torch.full_like(trained, -1)  # the text's next tokens; -1 past its end
+        for j, a in enumerate(anchors.tolist()):
+            nxt = seq[0, a + 1:a + B]
+            want[j, :nxt.shape[0]] = nxt
+        served_len = torch.tensor(res.accepted[:steps])
+        trained_len = accepted_lengths(torch.cat([torch.zeros(steps, 1, dtype=torch.bool), trained == want], 1))
+    served = [d for d in res.drafts[:steps]]
+    return served, trained.tolist(), served_len.tolist(), trained_len.tolist()
+
+
+def check_serving(target, drafter, sample_ids: torch.Tensor) -> Check:
+    served, trained, served_len, trained_len = serving_vs_training(target, drafter, sample_ids[:, :64])
+    if not served:
+        return Check("serving = training", WARN, "the answer ended after one step: nothing to compare",
+                     "pass --data with a longer first conversation")
+    slots = sum(len(s) for s in served)
+    differ = sum(a != b for s, t in zip(served, trained) for a, b in zip(s, t))
+    tau_s, tau_t = sum(served_len) / len(served_len), sum(trained_len) / len(trained_len)
+    if differ > slots // 50:  # a rare flip of a near-tie between two forwards is not a bug
+        return Check("serving = training", FAIL, f"{differ} of {slots} drafted tokens differ between generation and "
+                     f"the training path on the same text (tau {tau_s:.2f} vs {tau_t:.2f})",
+                     "training and generation compute different drafters (mask, window or causal flag); report a bug")
+    return Check("serving = training", PASS, f"generation drafts what the training path drafts on the same text "
+                 f"({slots - differ}/{slots} tokens; tau {tau_s:.2f} served, {tau_t:.2f} teacher-forced)")
+
+
+def check_vllm(target, drafter, sample_ids: torch.Tensor) -> Check:
+    from .engines.vllm import vllm_acceptance
+
+    got = vllm_acceptance(target, drafter, sample_ids[:, :64])
+    ok = abs(got["vllm_tau"] - got["tau"]) <= 0.05 * got["tau"] and got["identical"]
+    msg = (f"vLLM accepted {got['vllm_tau']:.2f} tokens per step, blockdraft {got['tau']:.2f}; "
+           f"outputs {'identical' if got['identical'] else 'DIFFER'}")
+    return Check("vLLM acceptance", PASS if ok else FAIL, msg,
+                 "" if ok else "vLLM serves another function: check `blockdraft convert`'s warnings")
+
+
 def sample_input(target, data: str | None) -> torch.Tensor:
-    from .bench.prompts import encode
+    from .data.chat import encode_prompt
 
     text = "Explain how a hash table works, then write a short Python example."
     if data:
@@ -172,21 +254,47 @@ def sample_input(target, data: str | None) -> torch.Tensor:
         convs, _ = load_conversations(data, skip_bad_lines=True)
         if convs:
             return torch.tensor([render(target.tokenizer, convs[0])["input_ids"]])
-    return encode(target.tokenizer, [{"role": "user", "content": text}])
+    return encode_prompt(target.tokenizer, [{"role": "user", "content": text}])
 
 
-def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tensor | None = None) -> list[Check]:
+NEEDS_CHECKPOINT = ("checkpoint", "target match", "serving engines", "serving = training", "vLLM acceptance")
+
+
+def probe_drafter(target):
+    """A drafter of `blockdraft train`'s default layout for this target (random weights): what the
+    contract checks need when no checkpoint exists yet."""
+    from .model import DFlashDrafter, DrafterConfig
+    from .train.run import default_train_layout
+
+    return DFlashDrafter(DrafterConfig.for_target(target, **default_train_layout())).to(target.device).eval()
+
+
+def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tensor | None = None, *,
+               vllm: bool = False, debug: bool = False) -> list[Check]:
+    """All checks; with `drafter` None, those that need no checkpoint (on a probe drafter)."""
     ids = sample_input(target, data) if sample_ids is None else sample_ids
-    return [
-        _guard("layer ids", check_layer_ids, target, drafter),
-        _guard("labels", check_labels, target, drafter, ids),
-        _guard("mask", check_mask, drafter),
-        _guard("mask token", check_mask_token, target, drafter),
-        _guard("target match", check_pairing, target, drafter),
-        _guard("sliding layers", check_sliding, drafter),
-        _guard("data", check_data, target, data),
-        _guard("greedy identity", check_greedy, target, drafter, ids),
+    probe = drafter is None
+    d = probe_drafter(target) if probe else drafter
+    checks = [
+        _guard("layer ids", check_layer_ids, target, d, debug=debug),
+        _guard("labels", check_labels, target, d, ids, debug=debug),
+        _guard("mask", check_mask, d, debug=debug),
+        _guard("mask token", check_mask_token, target, d, debug=debug),
+        _guard("target family", check_family, target, debug=debug),
+        _guard("data", check_data, target, data, debug=debug),
+        _guard("greedy identity", check_greedy, target, d, ids, debug=debug),
     ]
+    if probe:
+        for c in checks:
+            if c.name in ("layer ids", "mask", "mask token", "greedy identity"):
+                c.message += " (probe drafter: blockdraft train's default layout)"
+        return checks + [Check(n, SKIP, "needs a trained drafter (--drafter DIR)") for n in NEEDS_CHECKPOINT]
+    checks[4:4] = [_guard("target match", check_pairing, target, d, debug=debug),
+                   _guard("serving engines", check_engines, d, debug=debug)]
+    checks.append(_guard("serving = training", check_serving, target, d, ids, debug=debug))
+    if vllm:
+        checks.append(_guard("vLLM acceptance", check_vllm, target, d, ids, debug=debug))
+    return checks
 
 
 def report(checks: list[Check], as_json: bool = False) -> str:
@@ -194,23 +302,26 @@ def report(checks: list[Check], as_json: bool = False) -> str:
         return json.dumps([asdict(c) for c in checks], indent=1)
     lines = []
     for c in checks:
-        lines.append(f"{c.status:4}  {c.name:16} {c.message}" + (f"\n      fix: {c.fix}" if c.status != PASS and c.fix
-                                                                    else ""))
+        fix = f"\n      fix: {c.fix}" if c.status in (WARN, FAIL) and c.fix else ""
+        lines.append(f"{c.status:4}  {c.name:18} {c.message}{fix}")
     return "\n".join(lines)
 
 
-
-def doctor_main(target_name: str, drafter_path: str, data: str | None, device: str | None) -> list[Check]:
+def doctor_main(target_name: str, drafter_path: str | None, data: str | None, device: str | None, *,
+                vllm: bool = False, debug: bool = False) -> list[Check]:
     """Load what can be loaded; a checkpoint or target that does not load is itself a FAIL."""
     from .checkpoint import load_drafter
     from .target import TargetModel, target_num_layers
 
+    drafter = None
+    if drafter_path is not None:
+        try:
+            drafter = load_drafter(drafter_path, device=device, num_target_layers=target_num_layers(target_name))
+        except ValueError as e:
+            return [Check("checkpoint", FAIL, str(e), "re-export the checkpoint (config.json + model.safetensors)")]
     try:
-        drafter = load_drafter(drafter_path, device=device, num_target_layers=target_num_layers(target_name))
-    except ValueError as e:
-        return [Check("checkpoint", FAIL, str(e), "re-export the checkpoint (config.json + model.safetensors)")]
-    try:
-        target = TargetModel.from_pretrained(target_name, layer_ids=drafter.config.target_layer_ids, device=device)
+        ids = None if drafter is None else drafter.config.target_layer_ids
+        target = TargetModel.from_pretrained(target_name, layer_ids=ids, device=device)
     except ValueError as e:
         return [Check("layer ids", FAIL, str(e), "the checkpoint's target_layer_ids do not fit this target")]
-    return run_doctor(target, drafter, data)
+    return run_doctor(target, drafter, data, vllm=vllm, debug=debug)

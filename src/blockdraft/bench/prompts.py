@@ -43,8 +43,3 @@ def load_prompt_set(name: str, n: int | None = None) -> list[list[dict]]:
         out.append([{"role": "user", "content": text}])
     return out
 
-
-def encode(tokenizer, messages: list[dict]):
-    """Chat-template the prompt and return input ids [1, P]."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]

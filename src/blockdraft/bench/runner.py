@@ -16,7 +16,8 @@ import torch
 from ..generate.baseline import target_greedy
 from ..generate.speculative import speculative_generate
 from ..target import stop_token_ids
-from .prompts import encode, load_prompt_set
+from ..data.chat import encode_prompt as encode
+from .prompts import load_prompt_set
 
 
 @torch.no_grad()

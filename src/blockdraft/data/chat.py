@@ -145,3 +145,12 @@ def render(tokenizer, messages: list[dict]) -> dict:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     return {"input_ids": ids, "loss_mask": mask_from_offsets(enc["offset_mapping"], spans)}
+
+
+def encode_prompt(tokenizer, messages: list[dict]):
+    """A chat prompt for generation: the template with the assistant turn opened, as ids [1, P]
+    (the fallback format for a tokenizer without a template)."""
+    import torch
+
+    text = render_text(tokenizer, messages, add_generation_prompt=True)
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])

@@ -1,13 +1,19 @@
 """Regeneration: the target writes the assistant turns of a prompt set.
 
 Drafters trained on the target's own (greedy) outputs accept more tokens. Output is JSONL,
-one record per prompt ({"id", "messages"}), appended batch by batch and fsync'ed, so a
-killed run resumes where it stopped: ids already written are skipped, and a half-written
-last line is dropped.
+one record per prompt ({"id", "hash", "messages"}), appended chunk by chunk and fsync'ed, so
+a killed run resumes where it stopped. A record is keyed by a hash of its prompt messages,
+never by its position: a changed prompt file or another `--n` only adds the answers still
+missing, and never pairs an answer with another prompt. A half-written last line is dropped.
+
+Two engines write the same records: transformers' `generate` (the default, always there) and
+vLLM's offline batched generation (`engine="vllm"`, the `[vllm]` extra), several times faster
+on the same CPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,10 +21,19 @@ from pathlib import Path
 import torch
 
 from ..target import stop_token_ids
+from .chat import encode_prompt
+
+ENGINES = ("transformers", "vllm")
 
 
-def done_ids(path: Path) -> set:
-    """Ids already regenerated; truncates a torn last line left by a kill."""
+def prompt_hash(messages: list[dict]) -> str:
+    """The key of a prompt: a hash of its role/content turns."""
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return hashlib.sha256(json.dumps(turns, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:20]
+
+
+def done_hashes(path: Path) -> set:
+    """Prompt hashes already answered in `path`; truncates a torn last line left by a kill."""
     if not path.exists():
         return set()
     raw = path.read_bytes()
@@ -26,11 +41,12 @@ def done_ids(path: Path) -> set:
     if cut != len(raw):
         with open(path, "r+b") as f:
             f.truncate(cut)
-    ids = set()
+    done = set()
     for line in raw[:cut].decode("utf-8").splitlines():
         if line.strip():
-            ids.add(json.loads(line)["id"])
-    return ids
+            rec = json.loads(line)
+            done.add(rec.get("hash") or prompt_hash(prompt_messages(rec["messages"])))
+    return done
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -43,44 +59,11 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return msgs
 
 
-@torch.no_grad()
-def regenerate(model, tokenizer, prompts: list[tuple[str, list[dict]]], out: str | os.PathLike, *,
-               max_new_tokens: int = 256, batch_size: int = 8, progress: bool = True) -> dict:
-    """prompts: (id, messages) pairs. Greedy answers appended to `out`; returns counts."""
-    from tqdm.auto import tqdm
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    skip = done_ids(out)
-    todo = [(i, prompt_messages(m)) for i, m in prompts if i not in skip]
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop = stop_token_ids(tokenizer)
-    written = 0
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate", disable=not progress)
-    try:
-        for s in range(0, len(todo), batch_size):
-            chunk = todo[s:s + batch_size]
-            texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for _, m in chunk]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                 eos_token_id=stop)
-            new = gen[:, enc["input_ids"].shape[1]:]
-            lines = []
-            for (pid, msgs), row in zip(chunk, new.tolist()):
-                text = tokenizer.decode(_until_stop(row, stop), skip_special_tokens=True).strip()
-                lines.append(json.dumps({"id": pid, "messages": msgs + [{"role": "assistant", "content": text}]}))
-            with open(out, "a", encoding="utf-8") as f:
-                f.write("".join(ln + "\n" for ln in lines))
-                f.flush()
-                os.fsync(f.fileno())
-            written += len(lines)
-            bar.update(len(lines))
-    finally:
-        tokenizer.padding_side = side
-        bar.close()
-    return {"written": written, "skipped": len(skip), "total": len(prompts)}
+def _append(out: Path, records: list[dict]) -> None:
+    with open(out, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _until_stop(row: list[int], stop: list[int]) -> list[int]:
@@ -88,3 +71,69 @@ def _until_stop(row: list[int], stop: list[int]) -> list[int]:
         if t in stop:
             return row[:i]
     return row
+
+
+@torch.no_grad()
+def _answers_transformers(model, tokenizer, chunk: list[list[dict]], max_new_tokens: int, stop) -> list[list[int]]:
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chunk]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=stop)
+        return gen[:, enc["input_ids"].shape[1]:].tolist()
+    finally:
+        tokenizer.padding_side = side
+
+
+def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.PathLike, *,
+               max_new_tokens: int = 256, batch_size: int = 8, engine: str = "transformers",
+               progress: bool = True) -> dict:
+    """prompts: (id, messages) pairs. Greedy answers appended to `out`; returns counts. `target` is a
+    TargetModel (transformers engine) or, for vLLM, `target.TargetFiles` (tokenizer and directory)."""
+    from tqdm.auto import tqdm
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok = target.tokenizer
+    done = done_hashes(out)
+    todo, seen, skipped = [], set(), 0
+    for pid, m in prompts:
+        msgs = prompt_messages(m)
+        h = prompt_hash(msgs)
+        if h in seen:  # duplicates in the prompt set are answered once
+            continue
+        seen.add(h)
+        if h in done:
+            skipped += 1
+        else:
+            todo.append((pid, h, msgs))
+    stop = stop_token_ids(tok)
+    vllm = None
+    if engine == "vllm" and todo:
+        from ..engines.vllm import Engine
+
+        vllm = Engine(target.local_dir)
+    written = 0
+    bar = tqdm(total=skipped + len(todo), initial=skipped, desc=f"regenerate ({engine})", disable=not progress)
+    try:
+        for s in range(0, len(todo), batch_size):
+            chunk = todo[s:s + batch_size]
+            if vllm is not None:
+                ids = [encode_prompt(tok, msgs)[0].tolist() for _, _, msgs in chunk]
+                rows = [r for r, _ in vllm.generate(ids, max_tokens=max_new_tokens, stop_token_ids=stop)]
+            else:
+                rows = _answers_transformers(target.model, tok, [msgs for _, _, msgs in chunk], max_new_tokens, stop)
+            records = []
+            for (pid, h, msgs), row in zip(chunk, rows):
+                text = tok.decode(_until_stop(row, stop), skip_special_tokens=True).strip()
+                records.append({"id": pid, "hash": h, "messages": msgs + [{"role": "assistant", "content": text}]})
+            _append(out, records)
+            written += len(records)
+            bar.update(len(records))
+    finally:
+        bar.close()
+    return {"written": written, "skipped": skipped, "total": skipped + len(todo)}

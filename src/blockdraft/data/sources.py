@@ -118,19 +118,23 @@ Located = tuple[str, object, "str | None"]
 
 def _jsonl(path: Path) -> Iterator[Located]:
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig")
-            except UnicodeDecodeError as e:
-                yield where, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line), None
-            except json.JSONDecodeError as e:
-                yield where, None, f"malformed JSON ({e.msg} at column {e.colno})"
+        yield from _jsonl_lines(path, f)
+
+
+def _jsonl_lines(path: Path, f) -> Iterator[Located]:
+    for lineno, raw in enumerate(f, 1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            yield where, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+            continue
+        if not line.strip():
+            continue
+        try:
+            yield where, json.loads(line), None
+        except json.JSONDecodeError as e:
+            yield where, None, f"malformed JSON ({e.msg} at column {e.colno})"
 
 
 def _json_array(path: Path, text: str) -> Iterator[Located]:
@@ -170,13 +174,29 @@ def _parquet(path: Path) -> Iterator[Located]:
             row += 1
 
 
-READERS = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet}
+def _jsonl_gz(path: Path) -> Iterator[Located]:
+    """Gzip-compressed JSON lines (how the bundled dataset is stored)."""
+    import gzip
+
+    try:
+        with gzip.open(path, "rb") as f:
+            yield from _jsonl_lines(path, f)
+    except (OSError, EOFError) as e:  # not gzip, or cut short
+        raise ValueError(f"{path}: the gzip stream is damaged or truncated ({e}); copy the file again") from None
+
+
+READERS = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet, ".jsonl.gz": _jsonl_gz}
+
+
+def _suffix(path: Path) -> str:
+    name = path.name.lower()
+    return ".jsonl.gz" if name.endswith(".jsonl.gz") else path.suffix.lower()
 
 
 def _file(path: Path) -> Iterator[Located]:
     if not path.is_file():
-        raise ValueError(f"{path}: no such file; give a .jsonl, .json or .parquet file or a dataset object")
-    reader = READERS.get(path.suffix.lower())
+        raise ValueError(f"{path}: no such file; give a .jsonl, .jsonl.gz, .json or .parquet file or a dataset object")
+    reader = READERS.get(_suffix(path))
     if reader is None:
         raise ValueError(f"{path}: unknown file type '{path.suffix}'; use one of {sorted(READERS)}")
     if path.stat().st_size == 0:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampled, sampling_probs
+from ..pairing import check_pair
 from .lookup import NgramIndex
 
 
@@ -37,6 +38,7 @@ class GenerationResult:
     tokens: list[int]  # the new token ids
     accepted: list[int] = field(default_factory=list)  # tokens committed per verify step (incl. the target's own)
     verified: list[int] = field(default_factory=list)  # tokens the target verified per step (anchor + drafts)
+    drafts: list[list[int]] = field(default_factory=list)  # the drafter's proposals per step ([] on lookup steps)
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_prefill: float = 0.0
@@ -47,28 +49,6 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean tokens committed per verify step (accepted drafts + the target's own token)."""
         return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-    @property
-    def time_other(self) -> float:
-        return max(0.0, self.time_total - self.time_draft - self.time_verify - self.time_prefill)
-
-
-def check_pair(target, drafter) -> None:
-    """A drafter trained for another target is refused with the mismatch named."""
-    c = drafter.config
-    problems = []
-    if c.target_hidden_size != target.hidden_size:
-        problems.append(f"hidden size {c.target_hidden_size} vs target {target.hidden_size}")
-    if c.vocab_size != target.vocab_size:
-        problems.append(f"vocabulary {c.vocab_size} vs target {target.vocab_size}")
-    if c.target_num_layers != target.num_layers:
-        problems.append(f"{c.target_num_layers} target layers vs {target.num_layers}")
-    if list(c.target_layer_ids) != list(target.layer_ids):
-        problems.append(f"feature layers {c.target_layer_ids} vs the target's hooks {target.layer_ids}")
-    if c.tokenizer_hash and target.tokenizer_hash and c.tokenizer_hash != target.tokenizer_hash:
-        problems.append("tokenizer differs")
-    if problems:
-        raise ValueError("this drafter was trained for another target: " + "; ".join(problems))
 
 
 def _validate(target, drafter, input_ids, max_new_tokens, block_size, temperature, top_p) -> int:
@@ -173,6 +153,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
             index.extend(new)
         res.accepted.append(len(new))
         res.verified.append(b)
+        res.drafts.append(block[1:].tolist() if drafted else [])
         if on_tokens:
             on_tokens(new)
         res.time_draft += t1 - t0

@@ -144,10 +144,15 @@ def run_extract(args) -> str:
     return str(out)
 
 
-def norm_scale(norm) -> torch.Tensor:
-    """The multiplier an RMSNorm applies after normalising: its weight, or 1 + weight for Gemma's."""
-    w = norm.weight.float()
-    return 1 + w if "Gemma" in type(norm).__name__ else w
+def norm_scale(norm, what: str, fallback: str) -> torch.Tensor:
+    """The effective scale of a target norm (family.rms_norm_scale: Gemma-style 1 + w measured, not
+    guessed), or a ValueError naming the init flag to change."""
+    from ..family import rms_norm_scale
+
+    scale = rms_norm_scale(norm) if norm is not None else None
+    if scale is None:
+        raise ValueError(f"the target's {what} is not an RMSNorm blockdraft can copy; use {fallback}")
+    return scale
 
 
 @torch.no_grad()
@@ -156,7 +161,7 @@ def init_final_norm_from_target(drafter, target) -> None:
     norm = getattr(target._base(), "norm", None)
     if norm is None or norm.weight.is_meta or norm.weight.shape != drafter.norm.weight.shape:
         raise ValueError("the target has no final norm of the drafter's width; use --final-norm-init small")
-    drafter.norm.weight.copy_(norm_scale(norm))
+    drafter.norm.weight.copy_(norm_scale(norm, "final norm", "--final-norm-init small"))
 
 
 @torch.no_grad()
@@ -179,7 +184,7 @@ def init_context_from_top_feature(drafter, target) -> None:
     w = torch.zeros_like(drafter.fc.weight)
     w[:, -Ht:] = torch.eye(Ht, dtype=w.dtype)
     drafter.fc.weight.copy_(w)
-    drafter.hidden_norm.weight.copy_(norm_scale(ln))
+    drafter.hidden_norm.weight.copy_(norm_scale(ln, "top layer's input norm", "--context-init random"))
 
 
 def layer_layout(args) -> dict:
@@ -192,6 +197,14 @@ def layer_layout(args) -> dict:
     return {"layer_types": types, "sliding_window": int(w),
             "sliding_causal_in_block": not getattr(args, "bidirectional_sliding", False),
             "sliding_window_rule": args.window_rule}
+
+
+def default_train_layout() -> dict:
+    """DrafterConfig.for_target keywords of the drafter `blockdraft train` builds with no flags."""
+    from ..cli import build_parser
+
+    args = build_parser().parse_args(["train"])
+    return dict(num_layers=args.draft_layers, block_size=args.block_size, **layer_layout(args))
 
 
 def first_rows(rows: dict, max_rows: int) -> dict:
@@ -223,7 +236,7 @@ def build_drafter(args, target, train_rows: dict, device: str):
 
         layers = find_decoder_layers(target.model, target.num_layers)
         top = list(layers)[target.num_layers - args.draft_layers:]
-        copied = init_from_target_layers(drafter, top)
+        copied = init_from_target_layers(drafter, top, target.model.config.get_text_config())
         print(f"init: copied {len(copied) // max(1, args.draft_layers)} tensors per layer from the target's top "
               f"{args.draft_layers} layer(s)")
     if getattr(args, "final_norm_init", "small") == "target" and not head_only:
@@ -244,7 +257,7 @@ def continue_drafter(name_or_dir: str, target, device: str):
     """A trained drafter to go on training (a fresh schedule, not --resume): its architecture, draft
     vocabulary and weights come from the checkpoint, so the layout flags do not apply."""
     from ..checkpoint.native import load_drafter
-    from ..generate.speculative import check_pair
+    from ..pairing import check_pair
 
     drafter = load_drafter(name_or_dir, device=device)
     check_pair(target, drafter)

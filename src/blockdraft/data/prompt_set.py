@@ -1,0 +1,115 @@
+"""The bundled prompt set: user turns the target wrote itself (Magpie) plus prompts built from the
+Python standard library and manual pages of the machine that built it, committed as data so that
+`blockdraft regenerate` answers the same prompts on every host.
+
+    blockdraft prompts --out src/blockdraft/assets/data/prompts.jsonl.gz --magpie 9000 --builtin 3000 \\
+        --engine vllm
+
+Records: {"id": "magpie-000017", "kind": "magpie" | "func" | "explain" | "prose" | "man" | "arith",
+"messages": [{"role": "user", "content": ...}]}. No evaluation prompt (MT-Bench, GSM8K,
+HumanEval) is in it, nor any text sharing a word 8-gram with one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "data" / "prompts.jsonl.gz"
+
+
+def read_prompts(path: str | os.PathLike = DEFAULT_PROMPTS) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of a prompt file (JSONL, gzip if it ends .gz)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such prompt file; build one with `blockdraft prompts --out {path}`")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+    except (OSError, EOFError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: damaged prompt file ({e}); rebuild it with `blockdraft prompts`") from None
+    return [(str(r["id"]), r["messages"]) for r in recs]
+
+
+def write_prompts(records: list[dict], out: str | os.PathLike) -> Path:
+    """Write records atomically (gzip for .gz, with a fixed timestamp so rebuilding gives the same bytes)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    if out.suffix == ".gz":
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+            f.write(text)
+    else:
+        tmp.write_bytes(text)
+    os.replace(tmp, out)
+    return out
+
+
+def magpie_generator(engine: str, target_name: str, batch: int = 256):
+    """The sampling function `magpie.sample_user_turns` takes, on vLLM or transformers."""
+    from ..target import stop_token_ids
+
+    if engine == "vllm":
+        from ..engines.vllm import Engine
+        from ..target import TargetFiles
+
+        files = TargetFiles.resolve(target_name)
+        vllm = Engine(files.local_dir)
+        stop = stop_token_ids(files.tokenizer)
+
+        def generate(prefix, n, max_tokens, temperature, top_p, seed):
+            for s in range(0, n, batch):
+                k = min(batch, n - s)
+                outs = vllm.generate([prefix] * k, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                     seeds=[seed * 1_000_003 + s + i for i in range(k)], stop_token_ids=stop)
+                yield from ((ids, reason == "stop") for ids, reason in outs)
+
+        return generate, files.tokenizer
+    import torch
+
+    from ..target import TargetModel
+
+    target = TargetModel.from_pretrained(target_name)
+    stop = stop_token_ids(target.tokenizer)
+
+    def generate(prefix, n, max_tokens, temperature, top_p, seed):
+        torch.manual_seed(seed)
+        ids = torch.tensor([prefix])
+        for s in range(0, n, 32):
+            k = min(32, n - s)
+            out = target.model.generate(ids, do_sample=True, temperature=temperature, top_p=top_p, max_new_tokens=
+                                        max_tokens, num_return_sequences=k, eos_token_id=stop, pad_token_id=stop[0])
+            for row in out[:, len(prefix):].tolist():
+                cut = next((i for i, t in enumerate(row) if t in stop), None)
+                yield (row if cut is None else row[:cut]), cut is not None
+
+    return generate, target.tokenizer
+
+
+def build_prompt_set(target_name: str, n_magpie: int, n_builtin: int, *, engine: str = "transformers",
+                     seed: int = 0, oversample: float = 2.0) -> list[dict]:
+    """Magpie prompts sampled from the target (drawing `oversample` x as many, as filtering drops
+    some) and built-in ones, filtered against the evaluation sets and deduplicated together."""
+    from .default_prompts import build_prompts
+    from .magpie import evaluation_texts, filter_prompts, sample_user_turns
+
+    exclude = evaluation_texts()
+    records = []
+    if n_magpie:
+        generate, tok = magpie_generator(engine, target_name)
+        raw = sample_user_turns(generate, tok, int(n_magpie * oversample), seed=seed)
+        kept = filter_prompts(raw, exclude, n_magpie)
+        records += [{"id": f"magpie-{i:06d}", "kind": "magpie", "messages": [{"role": "user", "content": t}]}
+                    for i, t in enumerate(kept)]
+    if n_builtin:
+        built = build_prompts(n_builtin, seed=seed)
+        texts = {p["messages"][0]["content"]: p["kind"] for p in built}
+        kept = filter_prompts(list(texts), exclude + [r["messages"][0]["content"] for r in records],
+                              check=lambda t: bool(t))  # code and man pages: no English-prose test
+        records += [{"id": f"builtin-{i:06d}", "kind": texts[t], "messages": [{"role": "user", "content": t}]}
+                    for i, t in enumerate(kept)]
+    return records

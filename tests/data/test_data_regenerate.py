@@ -1,0 +1,133 @@
+"""Regeneration resumes by prompt hash; Magpie prompts are filtered and never evaluation text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockdraft.data.magpie import filter_prompts, keep, user_prefix
+from blockdraft.data.prompt_set import read_prompts, write_prompts
+from blockdraft.data.regenerate import done_hashes, prompt_hash, regenerate
+
+
+def tiny_pair(tok):
+    from blockdraft.target import TargetModel
+    from blockdraft.tiny import tiny_causal_lm
+
+    return TargetModel(tiny_causal_lm("llama", vocab=len(tok), layers=2), tok, [0], name="tiny")
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def records(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_resume_is_keyed_by_prompt_not_position(tmp_path, tok):
+    """A reordered, edited and grown prompt file adds only the missing answers, each paired with its
+    own prompt; a torn last line from a kill is dropped and redone."""
+    target = tiny_pair(tok)
+    out = tmp_path / "answers.jsonl"
+    first = [("a", user("Name a colour.")), ("b", user("Name a fruit.")), ("c", user("Name a city."))]
+    res = regenerate(target, first, out, max_new_tokens=4, batch_size=2, progress=False)
+    assert res == {"written": 3, "skipped": 0, "total": 3}
+    before = {r["hash"]: r for r in records(out)}
+    second = [("c", user("Name a city.")), ("new", user("Name a river.")), ("a", user("Name a colour!")),
+              ("b", user("Name a fruit."))]
+    with open(out, "a") as f:  # a kill in the middle of a line
+        f.write('{"id": "x", "hash": "de')
+    res = regenerate(target, second, out, max_new_tokens=4, batch_size=3, progress=False)
+    assert res == {"written": 2, "skipped": 2, "total": 4}
+    recs = records(out)
+    assert len(recs) == 5 and len({r["hash"] for r in recs}) == 5
+    for r in recs:
+        assert r["hash"] == prompt_hash(r["messages"][:-1])  # every answer sits with its own prompt
+        assert r["messages"][-1]["role"] == "assistant"
+    for h, r in before.items():  # nothing finished was rewritten
+        assert next(x for x in recs if x["hash"] == h) == r
+    assert done_hashes(out) == {r["hash"] for r in recs}
+
+
+def test_duplicate_prompts_are_answered_once(tmp_path, tok):
+    target = tiny_pair(tok)
+    out = tmp_path / "a.jsonl"
+    res = regenerate(target, [(1, user("Hi there.")), (2, user("Hi there."))], out, max_new_tokens=2, progress=False)
+    assert res["written"] == 1 and len(records(out)) == 1
+
+
+def test_vllm_missing_is_a_clear_error(tmp_path, tok, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_vllm(name, *a, **k):
+        if name == "vllm":
+            raise ImportError("No module named 'vllm'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    from blockdraft.target import TargetFiles
+
+    files = TargetFiles(tmp_path, "tiny", tok)
+    with pytest.raises(ValueError, match=r"\[vllm\]"):
+        regenerate(files, [(1, user("Hi."))], tmp_path / "o.jsonl", engine="vllm", progress=False)
+
+
+def test_magpie_prefix_is_the_templates_user_header(tok):
+    prefix = user_prefix(tok)
+    assert prefix.endswith("<|im_start|>user\n") and prefix.startswith("<|im_start|>system")
+    full = tok.apply_chat_template(user("hello"), tokenize=False)
+    assert full.startswith(prefix + "hello")
+
+
+def test_magpie_filter_keeps_english_requests_and_drops_evaluation_text():
+    from blockdraft.data.magpie import evaluation_texts
+
+    ev = evaluation_texts()
+    assert len(ev) > 1500  # MT-Bench, GSM8K and HumanEval all found
+    gsm = next(t for t in ev if t.count(" ") > 20)
+    candidates = [
+        "Write a short poem about the sea and explain the metaphors you used.",
+        "write a short poem about the sea, and explain the metaphors you used!",  # a duplicate
+        "Here is a question: " + gsm,  # evaluation text inside
+        "Как приготовить борщ дома? Объясни шаги подробно пожалуйста.",  # not English
+        "What is the capital of France? <|im_end|> <|im_start|>assistant",  # template markers
+        "go go go go go go go go go go go go go go go go",  # degenerate
+        "ok?",  # too short
+        "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor.",  # ASCII, not English
+        "How can I learn to play the guitar on my own, and what should I practise first?",
+    ]
+    kept = filter_prompts(candidates, ev)
+    assert kept == [candidates[0], candidates[-1]]
+    assert keep(candidates[0]) and not keep(candidates[5])
+
+
+def test_prompt_files_round_trip_byte_for_byte(tmp_path):
+    recs = [{"id": f"magpie-{i:06d}", "kind": "magpie", "messages": user(f"Question number {i}?")} for i in range(5)]
+    a = write_prompts(recs, tmp_path / "a.jsonl.gz").read_bytes()
+    b = write_prompts(recs, tmp_path / "b.jsonl.gz").read_bytes()
+    assert a == b  # rebuilt on another day or host, the same bytes
+    assert read_prompts(tmp_path / "a.jsonl.gz") == [(r["id"], r["messages"]) for r in recs]
+    (tmp_path / "bad.jsonl.gz").write_bytes(a[: len(a) // 2])
+    with pytest.raises(ValueError, match="damaged"):
+        read_prompts(tmp_path / "bad.jsonl.gz")
+
+
+@pytest.mark.parametrize("n", [1])
+def test_sampled_user_turns_use_the_prefix(tok, n):
+    from blockdraft.data.magpie import sample_user_turns
+
+    seen = {}
+
+    def generate(prefix, k, max_tokens, temperature, top_p, seed):
+        seen["prefix"] = tok.decode(prefix)
+        return [(tok("Tell me about owls.", add_special_tokens=False)["input_ids"], True),
+                (tok("unfinished", add_special_tokens=False)["input_ids"], False)][:k + 1]
+
+    assert sample_user_turns(generate, tok, n) == ["Tell me about owls."]
+    assert seen["prefix"] == user_prefix(tok)
+    torch.manual_seed(0)
