@@ -19,10 +19,10 @@ from pathlib import Path
 
 
 def main() -> None:
-    from blockdraft.train.run import DEFAULT_DATA_FILE, split_conversations
+    from blockdraft.data.pipeline import default_data_file, split_conversations
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(DEFAULT_DATA_FILE))
+    p.add_argument("--data", default=str(default_data_file()))
     p.add_argument("--first", type=int, default=416, help="conversations the first stage had")
     p.add_argument("--out", required=True)
     a = p.parse_args()

@@ -26,7 +26,8 @@ def main() -> None:
 
     from blockdraft.data.features import FeatureMemo
     from blockdraft.train import compute_loss
-    from blockdraft.train.run import conversation_rows, build_drafter
+    from blockdraft.data.pipeline import DataOptions, conversation_rows
+    from blockdraft.train.build import DrafterOptions, build_drafter
     from blockdraft.train.trainer import rows_batch
     from blockdraft.target import TargetModel
 
@@ -38,12 +39,8 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     target = TargetModel.from_pretrained("smollm2")
-    args = argparse.Namespace(data="default", eval_data=None, eval_fraction=0.0, seed=0, max_length=1024,
-                              skip_bad_lines=False, draft_vocab="auto", draft_layers=1, block_size=16,
-                              sliding_window=32, sliding_layers=1, bidirectional_sliding=False,
-                              init_from_target=True, final_norm_init="target")
-    rows, _ = conversation_rows(target, args)
-    drafter = build_drafter(args, target, rows, "cpu")
+    rows, _ = conversation_rows(target.tokenizer, DataOptions(eval_fraction=0.0), seed=0)
+    drafter = build_drafter(DrafterOptions(), target, rows, "cpu")  # `blockdraft train`'s drafter
     idx = torch.tensor([0, 1])
     memo = FeatureMemo(target, rows)
     full3 = memo(idx)

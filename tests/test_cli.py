@@ -8,14 +8,16 @@ import pytest
 
 from blockdraft.bench.prompts import load_prompt_set
 from blockdraft.cli import main
-from blockdraft.train.run import DEFAULT_DATA_FILE
+from blockdraft.data.pipeline import default_data_file
 
 
 def test_bundled_data_is_present_and_never_an_evaluation_prompt():
-    lines = DEFAULT_DATA_FILE.read_text().splitlines()
-    assert len(lines) >= 300
-    users = [json.loads(ln)["messages"][0]["content"] for ln in lines]
-    assert all(json.loads(ln)["messages"][-1]["role"] == "assistant" for ln in lines)
+    from blockdraft.data import load_conversations
+
+    convs, _ = load_conversations(default_data_file())
+    assert len(convs) >= 300
+    users = [c[0]["content"] for c in convs]
+    assert all(c[-1]["role"] == "assistant" for c in convs)
     for name in ("mtbench", "gsm8k", "humaneval"):
         for msgs in load_prompt_set(name):
             text = msgs[0]["content"]

@@ -79,7 +79,7 @@ def test_describe_names_the_quirks():
 
 @pytest.mark.parametrize("arch", ["gemma2", "qwen3_5"])
 def test_final_norm_init_takes_the_effective_scale(arch):
-    from blockdraft.train.run import init_final_norm_from_target
+    from blockdraft.train.build import init_final_norm_from_target
 
     t = target_of(arch)
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))

@@ -228,7 +228,7 @@ def test_draft_rows_of_the_head_follow_a_changed_vocabulary():
 def test_target_device_map_flag_is_checked(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from blockdraft.train.run import spread_kwargs
+    from blockdraft.target import spread_kwargs
 
     assert spread_kwargs(Namespace(target_device_map=None)) == {}
     assert spread_kwargs(Namespace(target_device_map="auto", offload_folder=None)) == {"device_map": "auto"}
@@ -247,7 +247,7 @@ def test_target_device_map_flag_is_checked(tmp_path, monkeypatch):
 def test_smollm2_spread_with_the_cli_flags_matches_one_device(smollm2_dir, tmp_path):
     from argparse import Namespace
 
-    from blockdraft.train.run import spread_kwargs
+    from blockdraft.target import spread_kwargs
 
     args = Namespace(target_device_map=__import__("json").dumps(offloaded_map(30, {1, 2, 14, 29})),
                      offload_folder=str(tmp_path / "off"))

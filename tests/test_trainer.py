@@ -186,7 +186,7 @@ def test_top_feature_context_init_is_the_top_layers_input_norm_of_the_last_featu
     """--context-init top-feature: before training, and after the trainer rescales the features
     keeping the function, the context rows are exactly the target's top-layer input norm applied
     to the last captured layer's hidden state."""
-    from blockdraft.train.run import init_context_from_top_feature
+    from blockdraft.train.build import init_context_from_top_feature
     from blockdraft.train.trainer import feature_scale_from
 
     t = tiny_target(arch)
@@ -205,7 +205,7 @@ def test_top_feature_context_init_is_the_top_layers_input_norm_of_the_last_featu
 def test_held_out_split_is_stable_when_the_data_grows():
     import random
 
-    from blockdraft.train.run import split_conversations
+    from blockdraft.data.pipeline import split_conversations
 
     def conv(i):
         return [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]

@@ -23,7 +23,7 @@ def cmd_regenerate(args) -> int:
     from .data.prompt_set import DEFAULT_PROMPTS, read_prompts
     from .data.regenerate import regenerate
     from .target import TargetFiles, TargetModel
-    from .train.run import spread_kwargs
+    from .target import spread_kwargs
 
     _threads(args)
     if args.prompts == "default":
@@ -70,32 +70,57 @@ def cmd_prompts(args) -> int:
     return 0
 
 
+def train_config(args, argv: list[str] | None = None):
+    """The RunConfig the flags describe; with --config FILE, that run's configuration with the flags
+    given on the command line laid over it."""
+    from .options import explicit_flags, from_args, replace_from
+    from .train.run import RunConfig
+
+    parts = {name: from_args(type(getattr(RunConfig(), name)), args) for name in RunConfig.PARTS}
+    if not getattr(args, "config", None):
+        return RunConfig(**parts)
+    base = RunConfig.from_json(args.config)
+    given = explicit_flags(_train_parser(), list(argv or []))
+    for name in RunConfig.PARTS:
+        part = getattr(base, name)
+        chosen = {f: getattr(parts[name], f) for f in vars(part) if f in given}
+        setattr(base, name, replace_from(part, chosen))
+    return base
+
+
 def cmd_train(args) -> int:
+    from .train.distributed import world
     from .train.run import run_training
 
     _threads(args)
-    summary = run_training(args)
-    from .train.distributed import world
-
+    cfg = train_config(args, args.argv)
+    summary = run_training(cfg)
     if world()[0] != 0:  # under torchrun, rank 0 reports
         return 0
     print(json.dumps({k: v for k, v in summary.items() if k != "eval_slot_accuracy"}))
     tau = summary.get("eval_tau")
     if tau is not None:
-        print(f"held-out accepted length (tau, block {args.block_size}, greedy, teacher-forced): {tau:.3f}")
+        print(f"held-out accepted length (tau, block {cfg.drafter.block_size}, greedy, teacher-forced): {tau:.3f}")
     return 0
 
 
 def _load_pair(args):
     from .checkpoint import load_drafter
-    from .target import TargetModel, target_num_layers
-    from .train.run import pick_device, spread_kwargs
+    from .target import TargetModel, pick_device, spread_kwargs, target_num_layers
 
     device = pick_device(args.device)
     drafter = load_drafter(args.drafter, device=device, num_target_layers=target_num_layers(args.target))
     target = TargetModel.from_pretrained(args.target, layer_ids=drafter.config.target_layer_ids, device=device,
                                          **spread_kwargs(args))
     return target, drafter
+
+
+def speed_settings(args, drafter) -> dict:
+    """--draft-threshold / --lookup, else what the drafter's config records as its fastest measured setting."""
+    best = drafter.config.generate_defaults or {}
+    return {"draft_threshold": args.draft_threshold if args.draft_threshold is not None
+            else float(best.get("draft_threshold", 0.0)),
+            "lookup": args.lookup if args.lookup is not None else int(best.get("lookup", 0))}
 
 
 def cmd_generate(args) -> int:
@@ -123,7 +148,7 @@ def cmd_generate(args) -> int:
     res = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_p=args.top_p, block_size=args.block_size,
                                stop_token_ids=stop_token_ids(tok), seed=args.seed, on_tokens=stream,
-                               draft_threshold=args.draft_threshold, lookup=args.lookup)
+                               **speed_settings(args, drafter))
     dt = res.time_total - res.time_prefill
     print(f"\n\n[tau {res.tau:.2f} | {len(res.tokens)} tokens | {(len(res.tokens) - 1) / max(dt, 1e-9):.1f} tok/s "
           f"after a {res.time_prefill:.2f}s prefill]", file=sys.stderr)
@@ -138,8 +163,7 @@ def cmd_bench(args) -> int:
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     results = run_bench(target, drafter, sets, args.n, max_new_tokens=args.max_new_tokens,
                         block_size=args.block_size, json_path=args.json, plot_path=args.plot,
-                        progress=not args.no_progress, draft_threshold=args.draft_threshold,
-                        lookup=args.lookup)
+                        progress=not args.no_progress, **speed_settings(args, drafter))
     print(f"{'set':10} {'n':>3} {'tau':>5} {'target t/s':>10} {'spec t/s':>9} {'speedup':>7} {'ceiling':>7} "
           f"{'hf lookup':>9} identical")  # transformers' own prompt-lookup decoding
     for r in results:
@@ -149,10 +173,14 @@ def cmd_bench(args) -> int:
 
 
 def cmd_extract(args) -> int:
-    from .train.run import run_extract
+    from .data.pipeline import DataOptions
+    from .options import from_args
+    from .target import TargetOptions
+    from .train.run import ExtractOptions, run_extract
 
     _threads(args)
-    print(f"feature cache written to {run_extract(args)}")
+    out = run_extract(from_args(TargetOptions, args), from_args(DataOptions, args), from_args(ExtractOptions, args))
+    print(f"feature cache written to {out}")
     return 0
 
 
@@ -175,118 +203,76 @@ def cmd_doctor(args) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
-def _target_args(p) -> None:
-    """--target, --device, --threads: every command that runs the target."""
-    p.add_argument("--target", default="smollm2", help="embedded name, local transformers dir or .gguf")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (one per process on a busy machine)")
-    p.add_argument("--target-device-map", default=None, metavar="MAP",
-                   help="spread a target too big for one device: auto, balanced, sequential, or a JSON object "
-                        "(inline or a file) of module -> device, as transformers' device_map")
-    p.add_argument("--offload-folder", default=None, help="where 'disk' entries of --target-device-map live")
+FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+RUNTIME = ("target", "device", "threads", "target_device_map", "offload_folder")  # every command that runs one
+
+
+def _target_args(p, *, features: bool = False) -> None:
+    """The target's options (blockdraft.target.TargetOptions); with `features`, its layer choice too."""
+    from .options import add_options
+    from .target import TargetOptions
+
+    add_options(p, TargetOptions, only=None if features else RUNTIME)
+
+
+def _train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """`train`'s flags, generated from RunConfig's parts (their fields hold the defaults and help)."""
+    from .data.pipeline import DataOptions
+    from .options import add_options
+    from .train.build import DrafterOptions
+    from .train.options import TrainConfig
+
+    p = p or argparse.ArgumentParser(prog="blockdraft train", add_help=False)
+    _target_args(p, features=True)
+    for cls in (DataOptions, DrafterOptions, TrainConfig):
+        add_options(p, cls)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="replay a run's train_config.json; flags given beside it override it")
+    return p
 
 
 def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a drafter (defaults: embedded SmolLM2 target, bundled data)")
-    _target_args(t)
-    t.add_argument("--data", default=DEFAULT_DATA, help="conversations (JSONL/JSON/parquet) or 'default'")
-    t.add_argument("--eval-data", default=None, help="held-out conversations (default: a split of --data)")
-    t.add_argument("--out", default="runs/default")
-    t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--draft-layers", type=int, default=1)
-    t.add_argument("--num-features", type=int, default=5)
-    t.add_argument("--layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    t.add_argument("--max-anchors", type=int, default=128, help="anchors per packed row")
-    t.add_argument("--max-length", type=int, default=1024, help="packed row length in tokens")
-    t.add_argument("--max-rows", type=int, default=128,
-                   help="train on at most this many packed rows (default keeps a 2-core CPU run under 15 "
-                        "minutes; 0 = all)")
-    _add_train_schedule(t)
+    _train_parser(t)
     t.set_defaults(fn=cmd_train)
 
 
-def _add_train_schedule(t) -> None:
-    """Optimisation, evaluation and run-control flags of `train`."""
-    t.add_argument("--epochs", type=float, default=3.0)
-    t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--warmup", type=float, default=0.05, help="steps, or a fraction of all steps if < 1")
-    t.add_argument("--batch-tokens", type=int, default=2048, help="tokens per micro-batch")
-    t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--sliding-window", type=int, default=32,
-                   help="make the first --sliding-layers drafter layers sliding-window layers of this width "
-                        "(0: full attention only)")
-    t.add_argument("--sliding-layers", type=int, default=1)
-    t.add_argument("--bidirectional-sliding", action="store_true",
-                   help="sliding layers bidirectional inside the block (default: causal, as vLLM serves them)")
-    t.add_argument("--window-rule", choices=["query", "anchor"], default="query",
-                   help="how a sliding window is counted: from each query's own position, as dflash, vLLM and "
-                        "SGLang serve it (query), or from the block's anchor, as speculators trains (anchor)")
-    t.add_argument("--draft-vocab", default="auto",
-                   help="draft vocabulary size (most frequent training tokens), 'full', or 'auto' (8192 on CPU)")
-    t.add_argument("--loss", choices=["kl", "soft", "hard"], default="kl")
-    t.add_argument("--gamma", type=float, default=None)
-    t.add_argument("--eval-fraction", type=float, default=0.05)
-    t.add_argument("--eval-every", type=int, default=50)
-    t.add_argument("--save-every", type=int, default=25)
-    t.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--features-cache", default=None, help="train from `blockdraft extract` shards")
-    t.add_argument("--init-drafter", default=None, metavar="DIR",
-                   help="go on training a saved drafter (a directory or 'default') with a fresh schedule")
-    t.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
-                   help="start the drafter layers from the target's top decoder layers (same shapes)")
-    t.add_argument("--final-norm-init", choices=["small", "target"], default="target",
-                   help="drafter output norm: 0.1 (near-uniform first guesses) or the target's final norm scale")
-    t.add_argument("--context-init", choices=["random", "top-feature"], default="random",
-                   help="fc/hidden_norm start: random, or passing the last captured target layer through with the "
-                        "target top layer's input-norm scale")
-    t.add_argument("--memo-features", choices=["auto", "on", "off"], default="auto",
-                   help="keep the target's outputs in memory after the first epoch (auto: if under 4 GiB)")
-    t.add_argument("--gradient-checkpointing", action="store_true")
-    t.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard the drafter's parameters, gradients and optimizer state over the "
-                        "ranks (FSDP2) instead of replicating them (DDP)")
-    t.add_argument("--skip-bad-lines", action="store_true")
-    t.add_argument("--no-progress", action="store_true")
-
-
 def _add_regenerate(sub) -> None:
-    r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set")
+    r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set",
+                       formatter_class=FORMATTER)
     _target_args(r)
     r.add_argument("--prompts", default="default",
                    help="prompt records or conversations file, or 'default' (the bundled prompt set)")
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", required=True, help="answers, JSONL; an existing file is completed, never rewritten")
     r.add_argument("--n", type=int, default=0, help="answer only the first N prompts (0: all)")
-    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens")
     r.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (vLLM: 64-256)")
     r.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
-    r.add_argument("--skip-bad-lines", action="store_true")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed records")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_regenerate)
-    p = sub.add_parser("prompts", help="build a prompt set: user turns the target writes (Magpie) + built-in ones")
+    p = sub.add_parser("prompts", help="build a prompt set: user turns the target writes (Magpie) + built-in ones",
+                       formatter_class=FORMATTER)
     _target_args(p)
     p.add_argument("--out", required=True, help="prompt records, JSONL (gzip if it ends .gz)")
     p.add_argument("--magpie", type=int, default=1000, help="user turns sampled from the target")
     p.add_argument("--builtin", type=int, default=0, help="prompts built from the Python stdlib and man pages")
-    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="what samples the user turns")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(fn=cmd_prompts)
 
 
 def _add_extract(sub) -> None:
+    from .data.pipeline import DataOptions
+    from .options import add_options
+    from .train.run import ExtractOptions
+
     x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)")
-    _target_args(x)
-    x.add_argument("--data", default=DEFAULT_DATA)
-    x.add_argument("--out", required=True)
-    x.add_argument("--max-length", type=int, default=1024)
-    x.add_argument("--num-features", type=int, default=5)
-    x.add_argument("--layer-ids", type=lambda s: [int(v) for v in s.split(",")], default=None)
-    x.add_argument("--shard-rows", type=int, default=64)
-    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    x.add_argument("--seed", type=int, default=0)
-    x.add_argument("--skip-bad-lines", action="store_true")
+    _target_args(x, features=True)
+    add_options(x, DataOptions, only=("data", "max_length", "skip_bad_lines"))
+    add_options(x, ExtractOptions)
     x.set_defaults(fn=cmd_extract)
 
 
@@ -294,8 +280,8 @@ def _add_convert(sub) -> None:
     from .checkpoint.formats import FORMATS
 
     c = sub.add_parser("convert", help="write a drafter checkpoint for a consumer: " +
-                       "; ".join(f"{f.name} ({f.description})" for f in FORMATS.values()))
-    c.add_argument("--to", choices=list(FORMATS), required=True)
+                       "; ".join(f"{f.name} ({f.description})" for f in FORMATS.values()), formatter_class=FORMATTER)
+    c.add_argument("--to", choices=list(FORMATS), required=True, help="the format to write")
     c.add_argument("--verifier", default=None, metavar="DIR",
                    help="the target's local directory, named in the files and the source of a draft vocabulary's "
                         "head rows (default: the directory of the target the drafter was trained for)")
@@ -307,7 +293,8 @@ def _add_convert(sub) -> None:
 
 
 def _add_doctor(sub) -> None:
-    d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint")
+    d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint",
+                       formatter_class=FORMATTER)
     _target_args(d)
     d.add_argument("--drafter", default=None,
                    help="drafter directory or 'default' (without one, the checks that need no checkpoint run on "
@@ -315,54 +302,73 @@ def _add_doctor(sub) -> None:
     d.add_argument("--data", default=None, help="conversations to check the loss masks on")
     d.add_argument("--vllm", action="store_true",
                    help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="the checks as JSON")
     d.set_defaults(fn=cmd_doctor)
 
 
+def _speed_args(p) -> None:
+    """--draft-threshold and --lookup: default, the fastest setting measured for the drafter loaded."""
+    p.add_argument("--draft-threshold", type=float, default=None,
+                   help="verify only the drafts up to the first slot whose top draft probability is below this "
+                        "(0: the whole block); cheaper verification, same output (default: the drafter's "
+                        "measured best, else 0)")
+    p.add_argument("--lookup", type=int, default=None, metavar="K",
+                   help="prompt lookup beside the drafter: when the last tokens occurred earlier, verify up to K "
+                        "tokens that followed them instead of the drafter's block (0: off; default: the drafter's "
+                        "measured best, else 0)")
+    p.add_argument("--block-size", type=int, default=None, help="verify blocks of this size (default: the drafter's)")
+
+
 def _add_generate(sub) -> None:
-    g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s")
+    g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s",
+                       formatter_class=FORMATTER)
     _target_args(g)
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt (a user turn with --chat)")
     g.add_argument("--drafter", default="default", help="drafter directory, or 'default'")
     g.add_argument("--chat", action="store_true", help="apply the chat template")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--draft-threshold", type=float, default=0.0,
-                   help="verify only the drafts up to the first slot whose top draft probability is below this "
-                        "(0: the whole block); cheaper verification, same output")
-    _lookup_arg(g)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else speculative sampling")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens")
+    _speed_args(g)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.set_defaults(fn=cmd_generate)
 
 
-def _lookup_arg(p) -> None:
-    p.add_argument("--lookup", type=int, default=0, metavar="K",
-                   help="prompt lookup beside the drafter: when the last tokens occurred earlier, verify up to K "
-                        "tokens that followed them instead of the drafter's block (0: off; 3 suits a CPU)")
-
-
 def _add_bench(sub) -> None:
-    b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval")
+    b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval",
+                       formatter_class=FORMATTER)
     _target_args(b)
-    b.add_argument("--drafter", default="default")
-    b.add_argument("--sets", default="mtbench,gsm8k,humaneval")
-    b.add_argument("--n", type=int, default=20)
-    b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--block-size", type=int, default=None)
-    b.add_argument("--draft-threshold", type=float, default=0.0,
-                   help="verify only the drafts up to the first slot whose top draft probability is below this "
-                        "(0: the whole block); cheaper verification, same output")
-    _lookup_arg(b)
-    b.add_argument("--json", default=None)
-    b.add_argument("--plot", default=None)
-    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--drafter", default="default", help="drafter directory, or 'default'")
+    b.add_argument("--sets", default="mtbench,gsm8k,humaneval", help="comma-separated prompt sets")
+    b.add_argument("--n", type=int, default=20, help="prompts per set")
+    b.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens")
+    _speed_args(b)
+    b.add_argument("--json", default=None, help="write the results here")
+    b.add_argument("--plot", default=None, help="write a PNG of the speedups here")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_bench)
 
 
+def one_line(e: BaseException) -> str:
+    """An error as one line: OSErrors by what failed and where (a full disk names its fix)."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno is not None:
+        where = f": {e.filename}" if e.filename else ""
+        fix = "; free some space or choose another directory" if e.errno == errno.ENOSPC else ""
+        return f"{e.strerror}{where}{fix}"
+    return " ".join(str(e).split("\n")[0].split()) or type(e).__name__
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
     p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
+    try:
+        v = version("blockdraft")
+    except PackageNotFoundError:
+        v = "unknown (not installed)"
+    p.add_argument("--version", action="version", version=f"blockdraft {v}")
     sub = p.add_subparsers(dest="cmd")
     _add_train(sub)
     _add_regenerate(sub)
@@ -384,7 +390,9 @@ LATENCY_COMMANDS = ("generate", "bench")
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv[1:]  # the command's own flags (for --config replays)
     if args.cmd not in LATENCY_COMMANDS:
         # Spin-waiting OpenMP threads stall every small parallel region when another process
         # shares the cores (up to ~8x measured on a busy 2-core machine); passive waiting costs
@@ -393,12 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    from safetensors import SafetensorError
+
     try:
         return int(args.fn(args) or 0)
-    except ValueError as e:
+    except (ValueError, OSError, SafetensorError) as e:  # a user's mistake or the machine's: one line, exit 2
         if args.debug:
             raise
-        print(f"blockdraft {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"blockdraft {args.cmd}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"blockdraft {args.cmd}: interrupted; rerun the same command (with --resume for train) to continue",

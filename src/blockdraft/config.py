@@ -96,8 +96,8 @@ class DrafterConfig:
     hidden_act: str = "silu"
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    # Clause 5: whether sliding-window layers are causal inside the block.
-    sliding_causal_in_block: bool = False
+    # Clause 5: whether sliding-window layers are causal inside the block (as `blockdraft train` makes them).
+    sliding_causal_in_block: bool = True
     # Clause 5: how a sliding window is counted (WINDOW_RULES above).
     sliding_window_rule: str = DEFAULT_WINDOW_RULE
     # --- block diffusion ---
@@ -109,6 +109,9 @@ class DrafterConfig:
     # --- provenance ---
     target_name: str | None = None
     tokenizer_hash: str | None = None
+    # The fastest generate/bench settings measured for this drafter ({"draft_threshold", "lookup"}): what
+    # `blockdraft generate` and `bench` use when no flag says otherwise.
+    generate_defaults: dict | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:

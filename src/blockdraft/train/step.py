@@ -18,6 +18,7 @@ from ..model.blocks import block_input_ids, label_positions, supervised_slots
 from ..model.masks import document_starts
 from .anchors import sample_anchors
 from .loss import RestrictedLabels, default_gamma, dflash_loss_chunked
+from .options import DEFAULTS
 
 
 @dataclass
@@ -99,7 +100,8 @@ class Prepared:
     layout: BlockLayout
 
 
-def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator: torch.Generator | None = None,
+def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
+            generator: torch.Generator | None = None,
             anchors: torch.Tensor | None = None, cached=None) -> Prepared:
     """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
 
@@ -147,8 +149,8 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = 512, generator:
     return Prepared(anchors, sup, labels, feats, embeds, BlockLayout(flat.document_ids, flat.position_ids, anchors, B))
 
 
-def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = 512, gamma: float | None = None,
-                 loss: str = "soft", generator: torch.Generator | None = None,
+def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
+                 gamma: float | None = DEFAULTS.gamma, loss: str = DEFAULTS.loss, generator: torch.Generator | None = None,
                  backend: str = "auto", anchors: torch.Tensor | None = None, cached=None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (clause 7)."""
     p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors,

@@ -6,53 +6,21 @@ Legend: R packed rows of L tokens each; a batch takes `rows_per_batch` rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
 from .distributed import all_reduce_mean, average_gradients, barrier, world
 from .state import load_state, save_state
+from .options import TrainConfig
 from .step import Batch, compute_loss
-
-
-@dataclass
-class TrainConfig:
-    out: str = "runs/default"
-    steps: int | None = None  # optimizer steps; default: epochs over the data
-    epochs: float = 1.0
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1
-    warmup: int | float = 0.05  # steps, or a fraction of all steps when < 1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    batch_tokens: int = 2048
-    max_anchors: int = 256
-    loss: str = "kl"
-    gamma: float | None = None
-    seed: int = 0
-    eval_every: int = 100
-    save_every: int = 50
-    log_every: int = 1
-    eval_anchors: int = 256
-    gradient_checkpointing: bool = False
-    backend: str = "auto"
-    progress: bool = True
-    fsdp: bool = False  # shard the drafter over the ranks (FSDP2) instead of replicating it
-
-    def validate(self) -> None:
-        if self.lr <= 0 or self.grad_accum < 1 or self.batch_tokens < 1 or self.max_anchors < 1:
-            raise ValueError("lr, grad_accum, batch_tokens and max_anchors must be positive")
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.steps is None and self.epochs <= 0:
-            raise ValueError(f"epochs must be > 0, got {self.epochs}")
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -105,11 +73,12 @@ def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int,
 
 class Trainer:
     def __init__(self, target, drafter, train_rows: dict, eval_rows: dict | None, cfg: TrainConfig, *,
-                 train_features=None, eval_features=None, keep_function: bool = False):
+                 train_features=None, eval_features=None, keep_function: bool = False, run_config: dict | None = None):
         """`train_features`/`eval_features`: optional idx -> (features, final_hidden) of stored target
         outputs (FeatureMemo, DiskFeatures); without them the target runs in the loop. `keep_function`:
         the drafter is already trained, so rescaling its features must leave its outputs unchanged."""
         cfg.validate()
+        self.run_config = run_config  # what train_config.json records (a RunConfig's dict; default: cfg)
         self.train_features, self.eval_features = train_features, eval_features
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.train_rows, self.eval_rows = train_rows, eval_rows
@@ -126,6 +95,7 @@ class Trainer:
         self.fsdp = cfg.fsdp and self.world > 1  # one process has nothing to shard over
         self.opt = self._optimizer()
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
+        self.saved_step = 0  # the step of the last complete checkpoint (0: none yet)
         self._order: tuple[int, torch.Tensor | None] = (-1, None)
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
 
@@ -165,7 +135,7 @@ class Trainer:
         """The per-dimension feature scale, from the first few training rows."""
         idx = torch.arange(min(n_rows, self.train_rows["input_ids"].shape[0]))
         if self.train_features is not None:
-            return feature_scale_from(self.train_features(idx)[0])
+            return feature_scale_from(self.train_features(idx).features)
         b = rows_batch(self.train_rows, idx)
         dev = self.target.device
         return feature_scale_from(self.target(b.input_ids.to(dev), position_ids=b.position_ids.to(dev),
@@ -201,6 +171,10 @@ class Trainer:
     def ckpt_dir(self) -> Path:
         return self.out / "checkpoint"
 
+    def checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes: the drafter and AdamW's two moments, in fp32."""
+        return 3 * sum(p.numel() * 4 for p in self.drafter.parameters()) + 2**20
+
     def save(self) -> None:
         states: dict = {}
         if self.fsdp:  # gathered by every rank, written by one
@@ -210,12 +184,23 @@ class Trainer:
         if self.rank != 0:  # written once, atomically, by rank 0
             barrier()
             return
-        save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress, **states)
+        step = self.progress["step"]
+        try:  # a swap holds the old checkpoint until the new one is complete: room for two
+            save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress,
+                       need_bytes=2 * self.checkpoint_bytes(), **states)
+        except (OSError, ValueError) as e:
+            kept = self.saved_step
+            raise ValueError(f"could not write the checkpoint of step {step} in {self.ckpt_dir} "
+                             f"({getattr(e, 'strerror', None) or e}); "
+                             + (f"the checkpoint of step {kept} is kept: free space and rerun with --resume"
+                                if kept else "no earlier checkpoint exists: free space and rerun")) from None
+        self.saved_step = step
         barrier()
 
     def resume(self) -> None:
         barrier()  # every rank reads the checkpoint rank 0 finished writing
         self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt)
+        self.saved_step = self.progress["step"]
         self._truncate_metrics(self.progress["step"])
 
     def _truncate_metrics(self, step: int) -> None:
@@ -266,6 +251,9 @@ class Trainer:
 
         lead = self.rank == 0
         self.out.mkdir(parents=True, exist_ok=True)
+        if lead:  # found now, not after hours: two checkpoints (the swap) and the final drafter
+            check_free_space(self.out, 2 * self.checkpoint_bytes() + self.checkpoint_bytes() // 3,
+                             "the checkpoints and the final drafter")
         if resume:
             self.resume()
         else:
@@ -275,7 +263,8 @@ class Trainer:
         if self.fsdp:
             self._shard()
         if lead:
-            (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+            saved = self.run_config or {"train": dataclasses.asdict(self.cfg)}
+            (self.out / "train_config.json").write_text(json.dumps(saved, indent=1))
         bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
                    desc="train", unit="step", dynamic_ncols=True)
         last_eval: dict = {}
@@ -288,19 +277,26 @@ class Trainer:
             # a sharded drafter's forward is a collective: every rank evaluates, rank 0 logs
             if (lead or self.fsdp) and self.eval_rows is not None and (step % self.cfg.eval_every == 0
                                                                         or step == self.total):
+                bar.set_description("train (evaluating)")
                 last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch,
                                      self.eval_features)
+                bar.set_description("train")
                 m.update(last_eval)
             if step % self.cfg.log_every == 0 or "eval_tau" in m:
                 self.log(m)
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}", tau=f"{m['tau']:.2f}",
                             **({"eval_tau": f"{last_eval['eval_tau']:.2f}"} if last_eval else {}))
             bar.update(1)
-            if step % self.cfg.save_every == 0 or step == self.total:
+            if step % self.cfg.save_every == 0 or step == self.total or step == 1:  # the first one early
                 self.save()
         bar.close()
         final = self.plain_drafter()
         if lead:
-            save_drafter(final, self.out / "drafter")
+            try:
+                save_drafter(final, self.out / "drafter")
+            except OSError as e:
+                raise ValueError(f"could not write the final drafter in {self.out / 'drafter'} ({e.strerror}); "
+                                 f"the checkpoint of step {self.saved_step} is kept: free space and rerun with "
+                                 "--resume to write it") from None
         barrier()
         return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}

@@ -1,0 +1,161 @@
+"""The drafter a training run starts from: its layout (DrafterOptions), draft vocabulary and
+initialisation from the target (through blockdraft.family, the quirks' one owner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import WINDOW_RULES
+from ..options import opt
+
+
+@dataclass
+class DrafterOptions:
+    """What drafter `blockdraft train` builds (the defaults are the README's main command)."""
+
+    block_size: int = opt(16, "tokens per block: the anchor and B - 1 drafted slots")
+    draft_layers: int = opt(1, "drafter decoder layers")
+    sliding_window: int = opt(32, "make the first --sliding-layers layers sliding-window layers of this width "
+                                  "(0: full attention only)")
+    sliding_layers: int = opt(1, "how many of the drafter layers slide (from the first)")
+    bidirectional_sliding: bool = opt(False, "sliding layers bidirectional inside the block (else causal)")
+    window_rule: str = opt("query", "how a sliding window is counted: from each query's own position, as dflash, "
+                                    "vLLM and SGLang serve it (query), or from the anchor, as speculators trains",
+                           choices=WINDOW_RULES)
+    draft_vocab: str = opt("auto", "draft vocabulary size (most frequent training tokens), 'full', or 'auto' "
+                                   "(8192 on a CPU)")
+    init_from_target: bool = opt(True, "start the drafter layers from the target's top decoder layers, where a "
+                                       "piece computes the same function")
+    final_norm_init: str = opt("target", "drafter output norm: 0.1 (small: near-uniform first guesses) or the "
+                                         "target's final-norm scale", choices=("small", "target"))
+    context_init: str = opt("random", "fc/hidden_norm start: random, or passing the last captured target layer "
+                                      "through with the top layer's input-norm scale",
+                            choices=("random", "top-feature"))
+    init_drafter: str | None = opt(None, "go on training a saved drafter (a directory or 'default') with a fresh "
+                                         "schedule; the layout options then come from it", metavar="DIR")
+
+    def layout(self) -> dict:
+        """DrafterConfig.for_target keywords: layers, block, sliding windows and their rules."""
+        kw = dict(num_layers=self.draft_layers, block_size=self.block_size)
+        if self.sliding_window:
+            n = min(max(1, self.sliding_layers), self.draft_layers)
+            kw.update(layer_types=["sliding_attention"] * n + ["full_attention"] * (self.draft_layers - n),
+                      sliding_window=int(self.sliding_window), sliding_causal_in_block=not self.bidirectional_sliding,
+                      sliding_window_rule=self.window_rule)
+        return kw
+
+    def vocab_size(self, device: str, target_vocab: int) -> int | None:
+        v = self.draft_vocab
+        if v == "auto":
+            return 8192 if device == "cpu" else None  # on a CPU the head is most of the drafter's cost
+        if v in (None, "full", "0", 0):
+            return None
+        try:
+            return min(int(v), target_vocab)
+        except ValueError:
+            raise ValueError(f"--draft-vocab must be a number, 'full' or 'auto', got {v!r}") from None
+
+
+def frequent_tokens(rows: dict, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent tokens under the loss mask (ties and unseen ids by id), sorted by id."""
+    ids = rows["input_ids"][rows["loss_mask"].bool()]
+    counts = torch.bincount(ids, minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.double) * 1e-9  # deterministic tie-break: lower id first
+    top = torch.topk(counts, size).indices
+    return torch.sort(top).values
+
+
+def norm_scale(norm, what: str, fallback: str) -> torch.Tensor:
+    """The effective scale of a target norm (family.rms_norm_scale: Gemma-style 1 + w measured, not
+    guessed), or a ValueError naming the init flag to change."""
+    from ..family import rms_norm_scale
+
+    scale = rms_norm_scale(norm) if norm is not None else None
+    if scale is None:
+        raise ValueError(f"the target's {what} is not an RMSNorm blockdraft can copy; use {fallback}")
+    return scale
+
+
+@torch.no_grad()
+def init_final_norm_from_target(drafter, target) -> None:
+    """Start the drafter's output scale at the target's own final-norm scale (Gemma norms scale by 1 + w)."""
+    norm = getattr(target._base(), "norm", None)
+    if norm is None or norm.weight.is_meta or norm.weight.shape != drafter.norm.weight.shape:
+        raise ValueError("the target has no final norm of the drafter's width; use --final-norm-init small")
+    drafter.norm.weight.copy_(norm_scale(norm, "final norm", "--final-norm-init small"))
+
+
+@torch.no_grad()
+def init_context_from_top_feature(drafter, target) -> None:
+    """Start the context path as the target's top layer would see its own input: fc passes the
+    last captured layer's hidden state through unchanged (the other layers start at zero) and
+    hidden_norm takes the scale of the top layer's input norm. Train with the feature scale
+    applied function-preservingly (the trainer's keep_function)."""
+    from ..target import find_decoder_layers
+
+    cfg = drafter.config
+    Ht = cfg.target_hidden_size
+    if cfg.hidden_size != Ht:
+        raise ValueError(f"--context-init top-feature needs the drafter's hidden size ({cfg.hidden_size}) to equal "
+                         f"the target's ({Ht})")
+    top = list(find_decoder_layers(target.model, target.num_layers))[-1]
+    ln = getattr(top, "input_layernorm", None)
+    if ln is None or ln.weight.is_meta or ln.weight.shape != drafter.hidden_norm.weight.shape:
+        raise ValueError("the target's top layer has no input norm of the drafter's width; use --context-init random")
+    w = torch.zeros_like(drafter.fc.weight)
+    w[:, -Ht:] = torch.eye(Ht, dtype=w.dtype)
+    drafter.fc.weight.copy_(w)
+    drafter.hidden_norm.weight.copy_(norm_scale(ln, "top layer's input norm", "--context-init random"))
+
+
+def _init_from_target(drafter, target, opts: DrafterOptions) -> None:
+    from ..model.drafter import init_from_target_layers
+    from ..target import find_decoder_layers
+
+    if opts.init_from_target:
+        layers = find_decoder_layers(target.model, target.num_layers)
+        top = list(layers)[target.num_layers - opts.draft_layers:]
+        copied = init_from_target_layers(drafter, top, target.model.config.get_text_config())
+        print(f"init: copied {len(copied) // max(1, opts.draft_layers)} tensors per layer from the target's top "
+              f"{opts.draft_layers} layer(s)")
+    if opts.final_norm_init == "target":
+        init_final_norm_from_target(drafter, target)
+    if opts.context_init == "top-feature":
+        init_context_from_top_feature(drafter, target)
+
+
+def build_drafter(opts: DrafterOptions, target, train_rows: dict, device: str):
+    """The drafter the options describe: layers, sliding windows, draft vocabulary, initialisation."""
+    from ..model import DFlashDrafter, DrafterConfig
+
+    vocab = opts.vocab_size(device, target.vocab_size)
+    drafter = DFlashDrafter(DrafterConfig.for_target(target, draft_vocab_size=vocab, **opts.layout()))
+    if getattr(target, "head_only_loaded", False):
+        if opts.context_init == "top-feature":
+            raise ValueError("--context-init top-feature needs the target's layers; a feature cache loads none")
+        if opts.init_from_target or opts.final_norm_init == "target":
+            print("init: training from a feature cache loads no target layers; the drafter starts from scratch")
+    else:
+        _init_from_target(drafter, target, opts)
+    if vocab:
+        drafter.set_draft_vocab(frequent_tokens(train_rows, target.vocab_size, vocab))
+        ids = train_rows["input_ids"][train_rows["loss_mask"].bool()]
+        cover = torch.isin(ids, drafter.draft_vocab).float().mean().item()
+        print(f"draft vocabulary: {vocab} ids cover {100 * cover:.1f}% of the training tokens")
+    return drafter.to(device)
+
+
+def continue_drafter(name_or_dir: str, target, device: str):
+    """A trained drafter to go on training (a fresh schedule, not --resume): its architecture, draft
+    vocabulary and weights come from the checkpoint, so the layout options do not apply."""
+    from ..checkpoint.native import load_drafter
+    from ..pairing import check_pair
+
+    drafter = load_drafter(name_or_dir, device=device)
+    check_pair(target, drafter)
+    cfg = drafter.config
+    print(f"init: continuing from the drafter in {name_or_dir} ({cfg.num_hidden_layers} layer(s), "
+          f"block {cfg.block_size}, draft vocabulary {cfg.draft_vocab_size or 'full'}); layout options are ignored")
+    return drafter

@@ -1,0 +1,52 @@
+"""TrainConfig: the optimisation, evaluation and run-control settings of a training run, with the
+only definition of their defaults (the CLI's flags and help are generated from these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..options import opt
+from .loss import LOSSES
+
+
+@dataclass
+class TrainConfig:
+    out: str = opt("runs/default", "run directory: drafter/, checkpoint/, metrics.jsonl, plots")
+    epochs: float = opt(3.0, "passes over the training rows")
+    steps: int | None = opt(None, "optimizer steps (overrides --epochs)")
+    lr: float = opt(6e-4, "peak learning rate (AdamW; warmup then cosine to a tenth)")
+    warmup: float = opt(0.05, "warmup steps, or a fraction of all steps if < 1")
+    batch_tokens: int = opt(2048, "tokens per micro-batch (whole packed rows)")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    max_anchors: int = opt(128, "anchors (blocks) per packed row")
+    loss: str = opt("kl", "kl or soft cross-entropy against the target's distribution, or hard (its argmax)",
+                    choices=LOSSES)
+    gamma: float | None = opt(None, "slot weights exp(-(k-1)/gamma) (default: the paper's, 7 at block 16)")
+    eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end)")
+    save_every: int = opt(25, "checkpoint every N steps (and after the first and the last)")
+    seed: int = opt(0, "seed of the drafter's initialisation, the data order, the anchors and the split")
+    gradient_checkpointing: bool = opt(False, "recompute the drafter layers in backward (less memory)")
+    fsdp: bool = opt(False, "under torchrun: shard the drafter's parameters, gradients and optimizer state over "
+                            "the ranks (FSDP2) instead of replicating them")
+    resume: bool = opt(False, "continue the run in --out exactly")
+    progress: bool = opt(True, "show a progress bar")
+    # library-only settings (no flag)
+    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of lr", hidden=True)
+    weight_decay: float = opt(0.01, "AdamW weight decay", hidden=True)
+    grad_clip: float = opt(1.0, "gradient norm clip", hidden=True)
+    log_every: int = opt(1, "metrics.jsonl line every N steps", hidden=True)
+    eval_anchors: int = opt(256, "anchors per held-out row", hidden=True)
+    backend: str = opt("auto", "attention backend", hidden=True)
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.grad_accum < 1 or self.batch_tokens < 1 or self.max_anchors < 1:
+            raise ValueError("lr, grad_accum, batch_tokens and max_anchors must be positive")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.steps is None and self.epochs <= 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.eval_every < 1 or self.save_every < 1:
+            raise ValueError("--eval-every and --save-every must be >= 1")
+
+
+DEFAULTS = TrainConfig()
