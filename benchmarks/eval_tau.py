@@ -23,7 +23,7 @@ def main() -> None:
 
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.checkpoint import load_drafter
-    from blockdraft.data import load_conversations, pack, render
+    from blockdraft.data import build_rows
     from blockdraft.data.regenerate import regenerate
     from blockdraft.target import TargetModel
     from blockdraft.train.trainer import TrainConfig, evaluate
@@ -46,15 +46,15 @@ def main() -> None:
     for name in args.sets.split(","):
         path = Path(args.answers) / f"{name}-{args.n}-{args.max_new_tokens}.jsonl"
         prompts = list(enumerate(load_prompt_set(name, args.n)))
-        regenerate(target.model, target.tokenizer, prompts, path, max_new_tokens=args.max_new_tokens,
-                   batch_size=args.n, progress=False)
-        convs, _ = load_conversations(path)
-        rows = pack([render(target.tokenizer, c) for c in convs], 1024, target.tokenizer.pad_token_id)
+        regenerate(target, prompts, path, max_new_tokens=args.max_new_tokens, batch_size=args.n, progress=False)
+        # the rows training builds, through the same path
+        rows, stats, _ = build_rows(target.tokenizer, path, 1024, return_stats=True)
+        convs = stats.kept
         cfg = TrainConfig(eval_anchors=1024, loss="kl")
         m = evaluate(target, drafter, rows, cfg, rows_per_batch=1)
-        results.append({"set": name, "n_prompts": len(convs), "tau": m["eval_tau"], "blocks": m["eval_blocks"],
+        results.append({"set": name, "n_prompts": int(convs), "tau": m["eval_tau"], "blocks": m["eval_blocks"],
                         "slot_accuracy": [round(a, 4) for a in m["eval_slot_accuracy"]]})
-        print(f"{name:10} n={len(convs):3d} tau={m['eval_tau']:.3f} blocks={m['eval_blocks']} "
+        print(f"{name:10} n={int(convs):3d} tau={m['eval_tau']:.3f} blocks={m['eval_blocks']} "
               f"slot1 acc={m['eval_slot_accuracy'][1]:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

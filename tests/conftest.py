@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -25,6 +24,33 @@ def tiny_target(arch: str = "llama", *, num_features: int = 3, layer_ids=None, m
 
     return TargetModel(tiny_causal_lm(arch, **kw), None, layer_ids, num_features=num_features,
                        mask_token_id=mask_token_id, name=f"tiny-{arch}")
+
+
+def tiny_rows(n=12, L=40, seed=0):
+    """Packed rows of random tokens: two documents per row, the first 4 tokens not learned."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V - 1, (n, L), generator=g)
+    doc = (torch.arange(L) >= L // 2).long().expand(n, L).clone()
+    pos = torch.where(doc == 0, torch.arange(L), torch.arange(L) - L // 2)
+    lm = torch.ones(n, L, dtype=torch.long)
+    lm[:, :4] = 0
+    return {"input_ids": ids, "loss_mask": lm, "position_ids": pos, "document_ids": doc}
+
+
+def make(tmp_path, steps=6, **kw):
+    """A Trainer on a tiny Llama target and drafter, writing to `tmp_path`."""
+    from blockdraft.config import DrafterConfig
+    from blockdraft.model import DFlashDrafter
+    from blockdraft.train.trainer import TrainConfig, Trainer
+
+    t = tiny_target("llama", seed=1)
+    with torch.no_grad():
+        t.model.get_output_embeddings().weight.mul_(20)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=kw.pop("vocab", None)))
+    cfg = TrainConfig(out=str(tmp_path), steps=steps, batch_tokens=80, max_anchors=8, eval_every=3, save_every=2,
+                      lr=3e-3, warmup=2, progress=False, **kw)
+    return Trainer(t, d, tiny_rows(), tiny_rows(4, seed=1), cfg)
 
 
 @pytest.fixture(scope="session")

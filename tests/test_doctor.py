@@ -111,8 +111,6 @@ def test_mask_check_catches_a_leak(monkeypatch):
 
 
 def test_mask_token_check():
-    from blockdraft.target import TargetModel
-
     t, d, _ = setup()
     bad = torch.full_like(t.model.get_input_embeddings().weight[0], float("nan"))
     with torch.no_grad():

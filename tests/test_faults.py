@@ -207,7 +207,7 @@ def test_a_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
     """A save that fails midway (the disk filled up during the run) stops the run, says which
     checkpoint is kept, and that checkpoint still resumes."""
     import blockdraft.train.state as state
-    from test_trainer import make
+    from conftest import make
 
     tr = make(tmp_path, steps=6)
     real, calls = state.save_file, []
@@ -231,9 +231,6 @@ def test_a_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("what", ["drafter weights", "drafter config", "cache shard", "checkpoint", "gzip data"])
 def test_damaged_files_are_one_line_errors(tmp_path, tiny_dir, data, capsys, what):
-    from blockdraft.checkpoint import load_drafter, save_drafter
-    from blockdraft.checkpoint.native import convert
-
     run = tmp_path / "run"
     assert main(["train", "--target", tiny_dir, "--data", data, "--steps", "2", "--out", str(run), *TRAIN]) == 0
     capsys.readouterr()

@@ -13,7 +13,7 @@ from blockdraft.model import DFlashDrafter
 from blockdraft.train import compute_loss, prepare
 from blockdraft.train.trainer import rows_batch
 from conftest import ARCHS, tiny_target
-from test_trainer import tiny_rows
+from conftest import tiny_rows
 
 
 @pytest.mark.parametrize("arch", ARCHS)

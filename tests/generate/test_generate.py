@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import blockdraft.generate.speculative as spec
+import blockdraft.generate.proposers as spec
 from blockdraft.config import DrafterConfig
 from blockdraft.generate import accept_greedy, speculative_generate
 from blockdraft.model import BlockLayout, DFlashDrafter
@@ -33,8 +33,8 @@ def oracle(truth, corrupt_every):
     """A proposer that drafts the target's true continuation, wrong every `corrupt_every`-th slot."""
     calls = {"n": 0}
 
-    def propose(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen, threshold=0.0):
-        spec_real(target, drafter, block, new_feats, new_pos, anchor_pos, ctx, temperature, top_p, gen, threshold)
+    def propose(self, block, new_feats, new_pos, anchor_pos):
+        spec_real(self, block, new_feats, new_pos, anchor_pos)  # the drafter still takes its context rows
         start = anchor_pos + 1 - prompt_len[0]
         picks = []
         for k in range(1, block.shape[0]):
@@ -48,7 +48,7 @@ def oracle(truth, corrupt_every):
     return propose
 
 
-spec_real = spec._propose
+spec_real = spec.DrafterProposer._draft
 prompt_len = [0]
 cut_every = [1000]  # the oracle's confidence drops at every cut_every-th slot
 
@@ -72,7 +72,7 @@ def test_greedy_with_accepted_drafts(monkeypatch, arch, corrupt_every):
     ids = torch.randint(0, V - 1, (1, 9))
     ref = reference(t, ids, 50)
     prompt_len[0] = ids.shape[1]
-    monkeypatch.setattr(spec, "_propose", oracle(ref, corrupt_every))
+    monkeypatch.setattr(spec.DrafterProposer, "_draft", oracle(ref, corrupt_every))
     res = speculative_generate(t, d, ids, max_new_tokens=50)
     assert res.tokens == ref
     if corrupt_every == 1000:
@@ -86,7 +86,7 @@ def test_draft_threshold_verifies_fewer_tokens_with_the_same_output(monkeypatch,
     ids = torch.randint(0, V - 1, (1, 9))
     ref = reference(t, ids, 40)
     prompt_len[0], cut_every[0] = ids.shape[1], cut
-    monkeypatch.setattr(spec, "_propose", oracle(ref, 1000))
+    monkeypatch.setattr(spec.DrafterProposer, "_draft", oracle(ref, 1000))
     full = speculative_generate(t, d, ids, max_new_tokens=40)
     short = speculative_generate(t, d, ids, max_new_tokens=40, draft_threshold=0.5)
     cut_every[0] = 1000
@@ -119,13 +119,10 @@ def test_threshold_drafts_a_few_slots_at_a_time_with_the_full_blocks_results(cau
     base = d.new_context_cache()
     with torch.no_grad():
         d.draft_hidden(feats[:10], torch.arange(10), t.embed(block), 10, base)  # some context already cached
-        args = (t, d, block, feats[10:], torch.arange(10, T), T, None, 0.0, 1.0, None)
-
         def run(threshold):
-            ctx = copy.deepcopy(base)
-            a = list(args)
-            a[6] = ctx
-            return spec_real(*a, threshold), len(ctx)
+            proposer = spec.DrafterProposer(t, d, spec.Sampling(0.0, 1.0, None), threshold)
+            proposer.cache = copy.deepcopy(base)
+            return spec_real(proposer, block, feats[10:], torch.arange(10, T), T), len(proposer.cache)
 
         (picks, _, conf), n_ctx = run(0.0)
         assert len(picks) == 11 and n_ctx == T
@@ -181,12 +178,12 @@ def test_greedy_with_prompt_lookup_equals_the_targets_own_decoding(monkeypatch, 
     ref = reference(t, ids, 40)
     fed = []  # context positions handed to the drafter, step by step
 
-    def recording(target, drafter, block, new_feats, new_pos, *rest):
+    def recording(self, block, new_feats, new_pos, anchor_pos):
         assert new_feats.shape[0] == new_pos.shape[0]
         fed.extend(new_pos.tolist())
-        return spec_real(target, drafter, block, new_feats, new_pos, *rest)
+        return spec_real(self, block, new_feats, new_pos, anchor_pos)
 
-    monkeypatch.setattr(spec, "_propose", recording)
+    monkeypatch.setattr(spec.DrafterProposer, "_draft", recording)
     res = speculative_generate(t, d, ids, max_new_tokens=40, lookup=lookup, draft_threshold=threshold)
     assert res.tokens == ref
     assert res.lookup_steps > 0 and max(res.verified) <= 6
@@ -308,7 +305,7 @@ def test_bench_reports_identical_outputs(smollm2_dir, tmp_path):
                     progress=False)
     row = json.loads((tmp_path / "b.json").read_text())[0]
     for key in ("set", "n_prompts", "block_size", "tau", "target_tok_s", "spec_tok_s", "speedup", "identical",
-                "lookup_speedup"):
+                "hf_lookup_speedup"):
         assert key in row
     assert row["identical"] is True and row["n_prompts"] == 1 and res[0]["tau"] >= 1.0
     assert (tmp_path / "b.png").stat().st_size > 0

@@ -18,7 +18,7 @@ from blockdraft.train.trainer import TrainConfig, Trainer
 
 def build(out, grad_accum, fsdp=False):
     from conftest import tiny_target
-    from test_trainer import tiny_rows
+    from conftest import tiny_rows
 
     torch.set_num_threads(1)
     t = tiny_target("llama", seed=1)
@@ -92,7 +92,7 @@ def test_two_processes_match_one_process_with_accumulation(tmp_path):
 
 def extract_worker(rank, world, port, out):
     from conftest import tiny_target
-    from test_trainer import tiny_rows
+    from conftest import tiny_rows
 
     from blockdraft.data.features import extract
 
@@ -108,7 +108,7 @@ def extract_worker(rank, world, port, out):
 
 def test_two_process_extraction_equals_one_process(tmp_path):
     from conftest import tiny_target
-    from test_trainer import tiny_rows
+    from conftest import tiny_rows
 
     from blockdraft.data.features import DiskFeatures, extract
 

