@@ -131,3 +131,12 @@ def test_vllm_serves_an_anchor_window_drafter_with_the_query_window(setup):
         return sum(abs(a - b) for a, b in zip(out["accepted_per_pos"], ours_per_pos))
 
     assert gap(per_pos_query) < gap(per_pos_anchor), (out["accepted_per_pos"], per_pos_query, per_pos_anchor)
+
+
+def test_doctor_checks_the_acceptance_vllm_serves(setup):
+    """`blockdraft doctor --vllm`: the serving engine's acceptance on the user's text against ours."""
+    from blockdraft.doctor import check_vllm
+
+    _, target, prompts, _ = setup
+    check = check_vllm(target, smollm2_variants()["query-causal"], torch.tensor([prompts[1]]))
+    assert check.status == "PASS", check.message

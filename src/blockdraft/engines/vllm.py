@@ -98,7 +98,7 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800) 
     return json.loads(out_path.read_text())
 
 
-def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 48) -> dict:
+def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 96) -> dict:
     """vLLM serving this drafter (its z-lab export) on `ids` [1, P] against speculative_generate."""
     from ..checkpoint.native import default_verifier, export_drafter
     from ..generate import speculative_generate

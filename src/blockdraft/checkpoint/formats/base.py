@@ -59,6 +59,22 @@ class Format:
     differences: Callable[[DrafterConfig], list[Difference]]
 
 
+ANCHOR_RULE_SERVED = ("windows each query from its own position (rule 'query'); this drafter was trained with the "
+                      "anchor rule, so its drafts differ once an anchor passes W - B + 1")
+
+
+def vllm_mixed_layers(cfg: DrafterConfig, causal_effect: str) -> list[Difference]:
+    """vLLM 0.32 and a drafter of sliding and full layers: the runner it needs, and what its one causal
+    setting does to the layers (`causal_effect`, which differs by format)."""
+    if len(set(cfg.layer_types)) < 2:
+        return []
+    out = [Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
+                                     "VLLM_USE_V2_MODEL_RUNNER=1 (which needs Triton: not on a CPU)")]
+    if cfg.sliding_causal_in_block:
+        out.append(Difference("vLLM", True, causal_effect))
+    return out
+
+
 def qwen3_fields(cfg: DrafterConfig) -> dict:
     """The drafter layers as a transformers Qwen3Config dict. transformers keeps `sliding_window`
     only when `use_sliding_window` is true (dflash, speculators and vLLM load through it)."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from ...config import WINDOW_ANCHOR, WINDOW_QUERY, DrafterConfig
 from ...target import hidden_states_index, layer_id_from_hidden_states_index
-from .base import (OWN_KEY, Difference, Export, Format, engine_head_weights, layer_kwargs, own_fields, qwen3_fields,
-                   read_own, verifier_dir)
+from .base import (ANCHOR_RULE_SERVED, OWN_KEY, Difference, Export, Format, engine_head_weights, layer_kwargs,
+                   own_fields, qwen3_fields, read_own, verifier_dir, vllm_mixed_layers)
 
 
 def matches(d: dict) -> bool:
@@ -83,16 +83,9 @@ def differences(cfg: DrafterConfig) -> list[Difference]:
                                                     "(every slot sees a - W <= p < a); this drafter uses the "
                                                     "query rule that vLLM serves"))
     if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_ANCHOR:
-        out.append(Difference("vLLM", True, "windows each query from its own position (rule 'query'); this "
-                                            "drafter was trained with the anchor rule, so its drafts differ once "
-                                            "an anchor passes W - B + 1"))
-    if len(set(cfg.layer_types)) > 1:
-        out.append(Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
-                                            "VLLM_USE_V2_MODEL_RUNNER=1"))
-        if cfg.sliding_causal_in_block:
-            out.append(Difference("vLLM", True, "turns sliding_window_non_causal: false into dflash_config.causal "
-                                                "for every layer, so the full-attention layers become causal"))
-    return out
+        out.append(Difference("vLLM", True, ANCHOR_RULE_SERVED))
+    return out + vllm_mixed_layers(cfg, "turns sliding_window_non_causal: false into dflash_config.causal for every "
+                                        "layer, so the full-attention layers become causal")
 
 
 FORMAT = Format("speculators", "vllm-project/speculators layout: speculators, vLLM", matches, read_config,

@@ -13,8 +13,8 @@ Weights: native names; a draft vocabulary leaves as `d2t` offsets and the head's
 from __future__ import annotations
 
 from ...config import SLIDING, WINDOW_ANCHOR, WINDOW_QUERY, DrafterConfig
-from .base import (OWN_KEY, Difference, Export, Format, engine_head_weights, layer_kwargs, own_fields, qwen3_fields,
-                   read_own)
+from .base import (ANCHOR_RULE_SERVED, OWN_KEY, Difference, Export, Format, engine_head_weights, layer_kwargs,
+                   own_fields, qwen3_fields, read_own, vllm_mixed_layers)
 
 
 def matches(d: dict) -> bool:
@@ -79,21 +79,13 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
 def differences(cfg: DrafterConfig) -> list[Difference]:
     out = []
     if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_ANCHOR:
-        what = ("windows each query from its own position (rule 'query'); this drafter was trained with the "
-                "anchor rule, so its drafts differ once an anchor passes W - B + 1")
-        out += [Difference(c, True, what) for c in ("dflash", "vLLM", "SGLang")]
+        out += [Difference(c, True, ANCHOR_RULE_SERVED) for c in ("dflash", "vLLM", "SGLang")]
     if cfg.draft_vocab_size:
         what = (f"ignores d2t and lm_head.weight and scores the target's full head, not this drafter's "
                 f"{cfg.draft_vocab_size}-token draft vocabulary (output stays lossless; drafts may differ)")
         out += [Difference(c, False, what) for c in ("dflash", "SGLang")]
-    kinds = set(cfg.layer_types)
-    if len(kinds) > 1:
-        out.append(Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
-                                            "VLLM_USE_V2_MODEL_RUNNER=1"))
-        if cfg.sliding_causal_in_block:
-            out.append(Difference("vLLM", True, "has causal sliding and bidirectional full layers: vLLM 0.32's "
-                                                "DFlash proposer sets one causal flag for all draft layers"))
-    return out
+    return out + vllm_mixed_layers(cfg, "has causal sliding and bidirectional full layers: vLLM 0.32's DFlash "
+                                        "proposer sets one causal flag for all draft layers")
 
 
 FORMAT = Format("zlab", "z-lab layout: dflash, SGLang, vLLM (blockdraft's native layout)", matches, read_config,
