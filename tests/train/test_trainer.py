@@ -200,3 +200,21 @@ def test_held_out_split_is_stable_when_the_data_grows():
     assert not any(c in tr2 for c in ev)  # nothing held out before is trained on now
     assert split_conversations(first, 0.1, seed=1)[1] != ev  # the seed picks another split
     assert split_conversations(first[:3], 0.01, seed=0)[1]  # at least one held out
+
+
+def test_gamma_follows_the_acceptance_when_asked(tmp_path):
+    """gamma_schedule "acceptance": each step's gamma is the smoothed training tau - 1/2, clamped to
+    [0.5, the paper's]; fixed keeps --gamma (None: the paper's) every step."""
+    from blockdraft.train.loss import default_gamma
+
+    tr = make(tmp_path / "a", steps=5, gamma_schedule="acceptance")
+    tr.train()
+    recs = records(tmp_path / "a")
+    ema = None
+    for r in recs:
+        want = 0.5 if ema is None else min(default_gamma(4), max(0.5, ema - 0.5))
+        assert r["gamma"] == pytest.approx(want)
+        ema = r["tau"] if ema is None else 0.9 * ema + 0.1 * r["tau"]
+    fixed = make(tmp_path / "b", steps=2, gamma=2.0)
+    fixed.train()
+    assert {r["gamma"] for r in records(tmp_path / "b")} == {2.0}

@@ -99,6 +99,16 @@ class Trainer:
         self._order: tuple[int, torch.Tensor | None] = (-1, None)
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
 
+    def gamma(self) -> float | None:
+        """This step's slot-weight gamma: fixed, or following the acceptance (`gamma_schedule`)."""
+        cfg = self.cfg
+        if cfg.gamma_schedule == "fixed":
+            return cfg.gamma
+        from .loss import default_gamma
+
+        top = cfg.gamma if cfg.gamma is not None else default_gamma(self.drafter.block_size)
+        return min(top, max(0.5, self.progress.get("tau_ema", 1.0) - 0.5))
+
     def _optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
@@ -224,6 +234,7 @@ class Trainer:
         self.drafter.train()
         self.opt.zero_grad(set_to_none=True)
         agg: dict = {"loss": 0.0, "tau": 0.0, "accuracy": 0.0}
+        gamma = self.gamma()
         amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.target.device.type == "cuda" else nullcontext())
         for micro in range(cfg.grad_accum):
             idx = self.batch_indices(s, micro)
@@ -231,7 +242,7 @@ class Trainer:
             cached = self.train_features(idx) if self.train_features else None
             gen = self.anchor_generator(self.global_micro(s, micro))
             with amp:
-                loss, m = compute_loss(self.target, self.drafter, b, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
+                loss, m = compute_loss(self.target, self.drafter, b, max_anchors=cfg.max_anchors, gamma=gamma,
                                        loss=cfg.loss, generator=gen, backend=cfg.backend, cached=cached)
             (loss / cfg.grad_accum).backward()
             for k in agg:
@@ -243,7 +254,9 @@ class Trainer:
         agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
         self.opt.step()
         self.progress["step"] = s + 1
-        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"])
+        # the training acceptance, smoothed (gamma_schedule "acceptance" follows it; saved, so resume is exact)
+        self.progress["tau_ema"] = 0.9 * self.progress.get("tau_ema", agg["tau"]) + 0.1 * agg["tau"]
+        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], gamma=gamma)
         return agg
 
     def train(self, resume: bool = False) -> dict:
