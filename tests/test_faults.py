@@ -319,3 +319,28 @@ def test_report(request):
     path.write_text(json.dumps(REPORT) + "\n")
     print(f"\nfault injection: {REPORT}")
     assert REPORT["tracebacks"] == 0 and REPORT["files_lost"] == 0
+
+
+def test_a_small_run_is_not_mostly_evaluation(tmp_path, tiny_dir, data, capsys):
+    """--max-rows bounds the held-out rows too (to an eighth of it, at least one)."""
+    from blockdraft.data.pipeline import bound_rows
+
+    rows = {"input_ids": torch.zeros(40, 8, dtype=torch.long)}
+    train, held = bound_rows(rows, {"input_ids": torch.zeros(13, 8, dtype=torch.long)}, 16)
+    assert train["input_ids"].shape[0] == 16 and held["input_ids"].shape[0] == 2
+    assert main(["train", "--target", tiny_dir, "--data", data, "--steps", "1", "--max-rows", "4", "--out",
+                 str(tmp_path / "r"), *TRAIN, "--eval-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "train: 4 rows" in out and " 1 held-out rows" in out, out
+
+
+def test_regenerate_reads_the_committed_prompt_set_without_building_one(tmp_path, tiny_dir, monkeypatch, capsys):
+    """`regenerate --n 2` answers two prompts of the bundled prompt set; nothing is built from the host's
+    files (that took minutes and depended on the host)."""
+    import blockdraft.data.default_prompts as built
+
+    monkeypatch.setattr(built, "build_prompts", lambda *a, **k: pytest.fail("prompts were built"))
+    out = tmp_path / "a.jsonl"
+    assert main(["regenerate", "--target", tiny_dir, "--n", "2", "--max-new-tokens", "3", "--out", str(out),
+                 "--threads", "1", "--no-progress"]) == 0
+    assert len(out.read_text().splitlines()) == 2

@@ -60,7 +60,11 @@ def cmd_prompts(args) -> int:
     from .data.prompt_set import build_prompt_set, write_prompts
 
     _threads(args)
-    records = build_prompt_set(args.target, args.magpie, args.builtin, engine=args.engine, seed=args.seed)
+    from pathlib import Path
+
+    samples = Path(args.out).with_name(Path(args.out).name + ".samples.jsonl")  # kept across a restart
+    records = build_prompt_set(args.target, args.magpie, args.builtin, engine=args.engine, seed=args.seed,
+                               samples_path=samples)
     out = write_prompts(records, args.out)
     kinds = {}
     for r in records:

@@ -131,3 +131,26 @@ def test_sampled_user_turns_use_the_prefix(tok, n):
     assert sample_user_turns(generate, tok, n) == ["Tell me about owls."]
     assert seen["prefix"] == user_prefix(tok)
     torch.manual_seed(0)
+
+
+def test_magpie_samples_are_kept_as_they_come_and_a_restart_samples_only_the_rest(tmp_path, tok, monkeypatch):
+    import blockdraft.data.prompt_set as ps
+
+    calls = []
+
+    def fake(engine, target_name):
+        def generate(prefix, n, max_tokens, temperature, top_p, seed):
+            calls.append((n, seed))
+            for i in range(n):
+                yield tok(f"Question {seed + i}?", add_special_tokens=False)["input_ids"], True
+        return generate, tok
+
+    monkeypatch.setattr(ps, "magpie_generator", fake)
+    path = tmp_path / "p.samples.jsonl"
+    first = ps.magpie_samples("t", 3, "transformers", 0, path, progress=False)
+    with open(path, "a") as f:
+        f.write('{"text": "torn')  # a kill in the middle of a line
+    again = ps.magpie_samples("t", 5, "transformers", 0, path, progress=False)
+    assert calls == [(3, 0), (2, 3)]  # only what was missing, with the next seeds
+    assert again[:3] == first and again == [f"Question {i}?" for i in range(5)]
+    assert ps.magpie_samples("t", 5, "transformers", 0, path, progress=False) == again and len(calls) == 2

@@ -85,12 +85,19 @@ def evaluation_texts() -> list[str]:
 
 
 def sample_user_turns(generate, tokenizer, n: int, *, max_tokens: int = 160, temperature: float = 1.0,
-                      top_p: float = 0.98, seed: int = 0) -> list[str]:
+                      top_p: float = 0.98, seed: int = 0, keep=None, progress: bool = False) -> list[str]:
     """`n` raw user turns sampled from the template's user prefix. `generate(prompt_ids, n, max_tokens,
-    temperature, top_p, seed)` returns (ids, finished) per sample; unfinished ones are dropped."""
+    temperature, top_p, seed)` yields (ids, finished) per sample; unfinished ones are dropped.
+    `keep(text)`, if given, sees every finished sample as it comes (to save them as they come)."""
+    from tqdm.auto import tqdm
+
     prefix = tokenizer(user_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     out = []
-    for ids, finished in generate(prefix, n, max_tokens, temperature, top_p, seed):
+    for ids, finished in tqdm(generate(prefix, n, max_tokens, temperature, top_p, seed), total=n,
+                              desc="magpie samples", disable=not progress):
         if finished:
-            out.append(tokenizer.decode(ids, skip_special_tokens=True))
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            out.append(text)
+            if keep is not None:
+                keep(text)
     return out

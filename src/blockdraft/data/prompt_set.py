@@ -91,18 +91,44 @@ def magpie_generator(engine: str, target_name: str, batch: int = 256):
     return generate, target.tokenizer
 
 
+def magpie_samples(target_name: str, n: int, engine: str, seed: int, samples_path: Path | None,
+                   progress: bool = True) -> list[str]:
+    """`n` raw Magpie samples; with `samples_path`, each finished sample is appended there as it comes
+    and a restart samples only what is missing (with the next seed, so nothing repeats)."""
+    from .magpie import sample_user_turns
+
+    have: list[str] = []
+    if samples_path is not None and samples_path.exists():
+        raw = samples_path.read_bytes()
+        cut = raw.rfind(b"\n") + 1
+        if cut != len(raw):  # a torn last line from a kill
+            with open(samples_path, "r+b") as f:
+                f.truncate(cut)
+        have = [json.loads(ln)["text"] for ln in raw[:cut].decode("utf-8").splitlines() if ln.strip()]
+    if len(have) >= n:
+        return have[:n]
+    generate, tok = magpie_generator(engine, target_name)
+
+    def save(text: str) -> None:
+        if samples_path is not None:
+            with open(samples_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+
+    more = sample_user_turns(generate, tok, n - len(have), seed=seed + len(have), keep=save, progress=progress)
+    return have + more
+
+
 def build_prompt_set(target_name: str, n_magpie: int, n_builtin: int, *, engine: str = "transformers",
-                     seed: int = 0, oversample: float = 1.25) -> list[dict]:
+                     seed: int = 0, oversample: float = 1.25, samples_path: Path | None = None) -> list[dict]:
     """Magpie prompts sampled from the target (drawing `oversample` x as many, as filtering drops
     some) and built-in ones, filtered against the evaluation sets and deduplicated together."""
     from .default_prompts import build_prompts
-    from .magpie import evaluation_texts, filter_prompts, sample_user_turns
+    from .magpie import evaluation_texts, filter_prompts
 
     exclude = evaluation_texts()
     records = []
     if n_magpie:
-        generate, tok = magpie_generator(engine, target_name)
-        raw = sample_user_turns(generate, tok, int(n_magpie * oversample), seed=seed)
+        raw = magpie_samples(target_name, int(n_magpie * oversample), engine, seed, samples_path)
         kept = filter_prompts(raw, exclude, n_magpie)
         records += [{"id": f"magpie-{i:06d}", "kind": "magpie", "messages": [{"role": "user", "content": t}]}
                     for i, t in enumerate(kept)]
