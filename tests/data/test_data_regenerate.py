@@ -154,3 +154,17 @@ def test_magpie_samples_are_kept_as_they_come_and_a_restart_samples_only_the_res
     assert calls == [(3, 0), (2, 3)]  # only what was missing, with the next seeds
     assert again[:3] == first and again == [f"Question {i}?" for i in range(5)]
     assert ps.magpie_samples("t", 5, "transformers", 0, path, progress=False) == again and len(calls) == 2
+
+
+def test_a_prompt_set_keeps_builtin_prompts_with_surrounding_whitespace(monkeypatch):
+    """Built-in prompts are stripped by the filter; their kinds must still be found (a KeyError once)."""
+    import blockdraft.data.default_prompts as built
+    import blockdraft.data.magpie as magpie
+    from blockdraft.data.prompt_set import build_prompt_set
+
+    monkeypatch.setattr(built, "build_prompts", lambda n, seed=0: [
+        {"id": 0, "kind": "prose", "messages": user("Explain this passage:\n\nSome text about sockets.\n\n")},
+        {"id": 1, "kind": "man", "messages": user("  How do I use `ls`?")}])
+    monkeypatch.setattr(magpie, "evaluation_texts", lambda: [])
+    recs = build_prompt_set("unused", 0, 2)
+    assert [r["kind"] for r in recs] == ["prose", "man"]

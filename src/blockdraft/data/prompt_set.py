@@ -49,7 +49,7 @@ def write_prompts(records: list[dict], out: str | os.PathLike) -> Path:
     return out
 
 
-def magpie_generator(engine: str, target_name: str, batch: int = 256):
+def magpie_generator(engine: str, target_name: str, batch: int = 1024):
     """The sampling function `magpie.sample_user_turns` takes, on vLLM or transformers."""
     from ..target import stop_token_ids
 
@@ -62,7 +62,8 @@ def magpie_generator(engine: str, target_name: str, batch: int = 256):
         stop = stop_token_ids(files.tokenizer)
 
         def generate(prefix, n, max_tokens, temperature, top_p, seed):
-            # vLLM's CPU sampler takes no per-request seed: the engine's seed and the batches fix the draw
+            # vLLM's CPU sampler takes no per-request seed: the engine's seed and the batches fix the draw.
+            # Large calls keep its continuous batching full (a short sample's slot is refilled at once).
             vllm = engines.setdefault(seed, Engine(files.local_dir, seed=seed))
             for s in range(0, n, batch):
                 outs = vllm.generate([prefix] * min(batch, n - s), max_tokens=max_tokens, temperature=temperature,
@@ -134,7 +135,7 @@ def build_prompt_set(target_name: str, n_magpie: int, n_builtin: int, *, engine:
                     for i, t in enumerate(kept)]
     if n_builtin:
         built = build_prompts(n_builtin, seed=seed)
-        texts = {p["messages"][0]["content"]: p["kind"] for p in built}
+        texts = {p["messages"][0]["content"].strip(): p["kind"] for p in built}  # as filter_prompts returns them
         kept = filter_prompts(list(texts), exclude + [r["messages"][0]["content"] for r in records],
                               check=lambda t: bool(t))  # code and man pages: no English-prose test
         records += [{"id": f"builtin-{i:06d}", "kind": texts[t], "messages": [{"role": "user", "content": t}]}
