@@ -164,9 +164,11 @@ SHAPES = {  # (CPU: tiny; CUDA: Qwen3-0.6B, and Qwen3-8B's drafter side on a sha
             "small_step": dict(drafter_layers=1, block=4, anchors=8, seq=64, rows=2),
             "large": None, "gen_tokens": 24},
     "cuda": {"parity": dict(T=1024, n_anchors=96, heads=16, kv_heads=8, D=128, B=16),
-             "small": dict(vocab=151936, layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072),
+             "small": dict(vocab=151936, layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072,
+                           max_positions=8192),
              "small_step": dict(drafter_layers=1, block=16, anchors=512, seq=4096, rows=1),
-             "large": dict(vocab=151936, layers=8, hidden=4096, heads=32, kv_heads=8, intermediate=12288),
+             "large": dict(vocab=151936, layers=8, hidden=4096, heads=32, kv_heads=8, intermediate=12288,
+                           max_positions=8192),
              "large_step": dict(drafter_layers=5, block=16, anchors=512, seq=4096, rows=1), "gen_tokens": 128},
 }
 
