@@ -13,6 +13,7 @@ export PYTHONPATH="$ROOT/src:$ROOT/reference"
 export REFERENCE_RESULTS="${REFERENCE_RESULTS:-$ROOT/runs/reference-vllm.json}"
 mkdir -p "$(dirname "$REFERENCE_RESULTS")"
 BASE="${TMPDIR:-/tmp}/blockdraft-reference-$$"
+mkdir -p "$BASE"
 .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/spec" -rs \
   reference/test_dflash.py reference/test_speculators.py
 .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/vllm" -rs reference/test_vllm.py
