@@ -24,6 +24,24 @@ def test_bundled_data_is_present_and_never_an_evaluation_prompt():
             assert not any(probe in u for u in users), (name, probe)
 
 
+def test_committed_prompt_set_is_large_unique_and_never_an_evaluation_prompt():
+    """The prompt set `regenerate` answers by default: >= 10,000 distinct user turns, most written
+    by the target itself, and no evaluation prompt inside any of them (checked by substring, a rule
+    independent of the 8-gram filter that built the set)."""
+    from blockdraft.data.prompt_set import read_prompts
+
+    prompts = read_prompts()
+    users = [msgs[0]["content"] for _, msgs in prompts]
+    assert len(prompts) >= 10_000 and len(set(users)) == len(users) == len({i for i, _ in prompts})
+    assert sum(i.startswith("magpie-") for i, _ in prompts) > len(prompts) / 2
+    joined = "\n\x00".join(users)
+    for name in ("mtbench", "gsm8k", "humaneval"):
+        for msgs in load_prompt_set(name):
+            text = msgs[0]["content"]
+            probe = text[:60] if name != "humaneval" else text.split("```python\n")[1][:60]
+            assert probe not in joined, (name, probe)
+
+
 def test_unknown_command_and_bad_data_are_clear_errors(tmp_path, capsys):
     assert main([]) == 2
     bad = tmp_path / "bad.jsonl"

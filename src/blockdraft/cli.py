@@ -64,7 +64,7 @@ def cmd_prompts(args) -> int:
 
     samples = Path(args.out).with_name(Path(args.out).name + ".samples.jsonl")  # kept across a restart
     records = build_prompt_set(args.target, args.magpie, args.builtin, engine=args.engine, seed=args.seed,
-                               samples_path=samples)
+                               oversample=args.oversample, samples_path=samples)
     out = write_prompts(records, args.out)
     kinds = {}
     for r in records:
@@ -264,6 +264,8 @@ def _add_regenerate(sub) -> None:
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="what samples the user turns")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--oversample", type=float, default=1.25,
+                   help="raw samples drawn per Magpie prompt wanted (the filter drops some)")
     p.set_defaults(fn=cmd_prompts)
 
 

@@ -2,8 +2,11 @@
 Python standard library and manual pages of the machine that built it, committed as data so that
 `blockdraft regenerate` answers the same prompts on every host.
 
-    blockdraft prompts --out src/blockdraft/assets/data/prompts.jsonl.gz --magpie 9000 --builtin 3000 \\
-        --engine vllm
+    blockdraft prompts --out src/blockdraft/assets/data/prompts.jsonl.gz --magpie 7600 --oversample 1.0 \\
+        --builtin 4500 --engine vllm
+
+(the committed set was sampled in three restarts, each continuing at seed + samples so far; the
+host's stdlib and man pages gave about 3,000 distinct built-in prompts of the 4,500 asked).
 
 Records: {"id": "magpie-000017", "kind": "magpie" | "func" | "explain" | "prose" | "man" | "arith",
 "messages": [{"role": "user", "content": ...}]}. No evaluation prompt (MT-Bench, GSM8K,
