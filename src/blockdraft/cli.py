@@ -206,7 +206,13 @@ def cmd_doctor(args) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
-FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+class FORMATTER(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
+
+
 RUNTIME = ("target", "device", "threads", "target_device_map", "offload_folder")  # every command that runs one
 
 

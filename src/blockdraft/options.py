@@ -52,7 +52,7 @@ def add_options(parser: argparse.ArgumentParser, cls, *, only: tuple[str, ...] |
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         base, _ = _inner(hints[f.name])
         help_text = meta["help"].replace("%", "%%")
-        if not meta.get("required"):  # argparse fills %(default)s in (and adds no second default)
+        if not meta.get("required") and "(default:" not in meta["help"]:  # argparse fills %(default)s in
             help_text += " (default: %(default)s)" if not isinstance(default, list) else f" (default: {_shown(default)})"
         if meta.get("required"):
             parser.add_argument(flag, dest=f.name, type=base, required=True, help=help_text)
