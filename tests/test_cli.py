@@ -42,6 +42,30 @@ def test_committed_prompt_set_is_large_unique_and_never_an_evaluation_prompt():
             assert probe not in joined, (name, probe)
 
 
+def test_generate_and_bench_default_to_the_fastest_setting_measured_for_the_shipped_drafter():
+    """With no --draft-threshold / --lookup, the speed settings are those of the best mean speedup
+    among the committed bench results of the shipped drafter (all with outputs identical); a flag wins."""
+    import json
+    from pathlib import Path
+
+    from blockdraft.checkpoint import load_drafter
+    from blockdraft.cli import build_parser, speed_settings
+
+    runs = []
+    for f in sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("bench-default-n10*.json")):
+        sets = json.loads(f.read_text())
+        assert all(s["identical"] for s in sets), f
+        runs.append((sum(s["speedup"] for s in sets) / len(sets),
+                     {"draft_threshold": sets[0]["draft_threshold"], "lookup": sets[0]["lookup"]}))
+    best = max(runs, key=lambda r: r[0])[1]
+    drafter = load_drafter("default")
+    parser = build_parser()
+    assert speed_settings(parser.parse_args(["generate", "hi"]), drafter) == best
+    assert speed_settings(parser.parse_args(["generate", "hi", "--lookup", "0", "--draft-threshold", "0"]),
+                          drafter) == {"draft_threshold": 0.0, "lookup": 0}
+    assert speed_settings(parser.parse_args(["bench", "--n", "1"]), drafter) == best
+
+
 def test_unknown_command_and_bad_data_are_clear_errors(tmp_path, capsys):
     assert main([]) == 2
     bad = tmp_path / "bad.jsonl"
