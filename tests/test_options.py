@@ -48,3 +48,15 @@ def test_a_saved_config_replays_with_the_flags_given_on_top(tmp_path):
 def test_the_help_shows_every_default():
     text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "(default: 128)" in text and "(default: query)" in text and "(default: 0.0006)" in text
+
+
+def test_every_flag_shows_at_most_one_default():
+    """A help text that names its default (e.g. --device's 'cuda if available') gets no second one."""
+    import re
+
+    from blockdraft.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    for name, p in sub.choices.items():
+        doubled = re.findall(r"\(default: [^)]*\)\s*\(default: [^)]*\)", " ".join(p.format_help().split()))
+        assert not doubled, (name, doubled)

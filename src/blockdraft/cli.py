@@ -210,7 +210,9 @@ class FORMATTER(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default, unless its help already says what the default is."""
 
     def _get_help_string(self, action):
-        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
+        from .options import states_default
+
+        return action.help if states_default(action.help) else super()._get_help_string(action)
 
 
 RUNTIME = ("target", "device", "threads", "target_device_map", "offload_folder")  # every command that runs one

@@ -41,6 +41,11 @@ def _shown(default) -> str:
     return "none" if default is None else ",".join(map(str, default)) if isinstance(default, list) else str(default)
 
 
+def states_default(help_text: str | None) -> bool:
+    """Whether a help text already says what its default is (then no second default is shown)."""
+    return "(default:" in (help_text or "")
+
+
 def add_options(parser: argparse.ArgumentParser, cls, *, only: tuple[str, ...] | None = None) -> None:
     """One flag per field of `cls` (`--max-rows` for `max_rows`), help text with the default shown."""
     hints = typing.get_type_hints(cls)
@@ -52,7 +57,7 @@ def add_options(parser: argparse.ArgumentParser, cls, *, only: tuple[str, ...] |
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         base, _ = _inner(hints[f.name])
         help_text = meta["help"].replace("%", "%%")
-        if not meta.get("required") and "(default:" not in meta["help"]:  # argparse fills %(default)s in
+        if not meta.get("required") and not states_default(meta["help"]):  # argparse fills %(default)s in
             help_text += " (default: %(default)s)" if not isinstance(default, list) else f" (default: {_shown(default)})"
         if meta.get("required"):
             parser.add_argument(flag, dest=f.name, type=base, required=True, help=help_text)
