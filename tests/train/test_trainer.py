@@ -218,3 +218,33 @@ def test_gamma_follows_the_acceptance_when_asked(tmp_path):
     fixed = make(tmp_path / "b", steps=2, gamma=2.0)
     fixed.train()
     assert {r["gamma"] for r in records(tmp_path / "b")} == {2.0}
+
+
+@pytest.mark.parametrize("rule", [None, "query"])
+def test_continuing_an_anchor_rule_drafter_can_move_it_to_the_query_window(tmp_path, rule):
+    """--init-drafter with --window-rule: the same weights, the engines' window rule. Without the
+    flag the drafter keeps the rule it was trained with (nothing changes silently)."""
+    from blockdraft.train.build import continue_drafter
+
+    t = tiny_target()
+    cfg = DrafterConfig.for_target(t, num_layers=1, block_size=4, layer_types=["sliding_attention"],
+                                   sliding_window=6, sliding_window_rule="anchor")
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "old")
+    old = load_drafter(tmp_path / "old")
+    got = continue_drafter(str(tmp_path / "old"), t, "cpu", rule)
+    assert got.config.sliding_window_rule == (rule or "anchor")
+    for k, v in old.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[k], v, rtol=0, atol=0)
+    from blockdraft.model import BlockLayout
+
+    T = 40
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(T, cfg.feature_size, generator=g)
+    embeds = torch.randn(2, 4, cfg.hidden_size, generator=g)
+    # one anchor where the two rules agree (a < W - B + 1 = 3), one past it
+    layout = BlockLayout(torch.zeros(T, dtype=torch.long), torch.arange(T), torch.tensor([2, 30]), 4)
+    with torch.no_grad():
+        a, b = (d(feats, embeds, layout) for d in (old, got))
+    torch.testing.assert_close(b[0], a[0])
+    assert bool((b[1] - a[1]).abs().max() > 1e-3) == (rule == "query")

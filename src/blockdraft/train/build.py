@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import WINDOW_RULES
+from ..config import WINDOW_QUERY, WINDOW_RULES
 from ..options import opt
 
 
@@ -21,9 +21,10 @@ class DrafterOptions:
                                   "(0: full attention only)")
     sliding_layers: int = opt(1, "how many of the drafter layers slide (from the first)")
     bidirectional_sliding: bool = opt(False, "sliding layers bidirectional inside the block (else causal)")
-    window_rule: str = opt("query", "how a sliding window is counted: from each query's own position, as dflash, "
-                                    "vLLM and SGLang serve it (query), or from the anchor, as speculators trains",
-                           choices=WINDOW_RULES)
+    window_rule: str | None = opt(None, "how a sliding window is counted: from each query's own position, as "
+                                        "dflash, vLLM and SGLang serve it (query), or from the anchor, as speculators "
+                                        "trains; with --init-drafter the drafter keeps its own rule unless one is "
+                                        "given (default: query)", choices=WINDOW_RULES)
     draft_vocab: str = opt("auto", "draft vocabulary size (most frequent training tokens), 'full', or 'auto' "
                                    "(8192 on a CPU)")
     init_from_target: bool = opt(True, "start the drafter layers from the target's top decoder layers, where a "
@@ -43,7 +44,7 @@ class DrafterOptions:
             n = min(max(1, self.sliding_layers), self.draft_layers)
             kw.update(layer_types=["sliding_attention"] * n + ["full_attention"] * (self.draft_layers - n),
                       sliding_window=int(self.sliding_window), sliding_causal_in_block=not self.bidirectional_sliding,
-                      sliding_window_rule=self.window_rule)
+                      sliding_window_rule=self.window_rule or WINDOW_QUERY)
         return kw
 
     def vocab_size(self, device: str, target_vocab: int) -> int | None:
@@ -147,10 +148,15 @@ def build_drafter(opts: DrafterOptions, target, train_rows: dict, device: str):
     return drafter.to(device)
 
 
-def continue_drafter(name_or_dir: str, target, device: str):
+def continue_drafter(name_or_dir: str, target, device: str, window_rule: str | None = None):
     """A trained drafter to go on training (a fresh schedule, not --resume): its architecture, draft
-    vocabulary and weights come from the checkpoint, so the layout options do not apply."""
+    vocabulary and weights come from the checkpoint, so the layout options do not apply, except a
+    given `window_rule`: the same weights then train under that sliding-window rule (how an
+    anchor-rule drafter becomes one the engines serve as trained)."""
+    import dataclasses
+
     from ..checkpoint.native import load_drafter
+    from ..model import DFlashDrafter
     from ..pairing import check_pair
 
     drafter = load_drafter(name_or_dir, device=device)
@@ -158,4 +164,9 @@ def continue_drafter(name_or_dir: str, target, device: str):
     cfg = drafter.config
     print(f"init: continuing from the drafter in {name_or_dir} ({cfg.num_hidden_layers} layer(s), "
           f"block {cfg.block_size}, draft vocabulary {cfg.draft_vocab_size or 'full'}); layout options are ignored")
+    if window_rule and cfg.has_sliding and window_rule != cfg.sliding_window_rule:
+        print(f"init: sliding window rule {cfg.sliding_window_rule} -> {window_rule} (weights kept)")
+        moved = DFlashDrafter(dataclasses.replace(cfg, sliding_window_rule=window_rule))
+        moved.load_state_dict(drafter.state_dict())
+        drafter = moved.to(device)
     return drafter
