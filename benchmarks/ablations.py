@@ -1,8 +1,8 @@
 """What moves held-out tau per CPU-hour: short training runs at equal wall-clock budgets.
 
 Every configuration starts from the same flags (`--base`, default: the README's main command on
-the bundled data) with its own changes, is calibrated on a few steps (their wall time, target
-forwards of the feature memo included, sets how many steps fit the budget), then trains for
+the bundled data) with its own changes, is calibrated on a few steps (their time per step on the run's
+own clock, target forwards included, loading excluded, sets how many steps fit the budget), then trains for
 those steps with the cosine schedule fitted to them. All runs share the held-out split (a hash
 of each conversation) and run one after another in this process's machine, so their figures
 are taken under the same load.
@@ -34,9 +34,21 @@ CONFIGS = {  # name -> flags on top of the base
     "layers2": ["--draft-layers", "2", "--sliding-layers", "1"],
     "anchors64": ["--max-anchors", "64"],
     "anchors256": ["--max-anchors", "256"],
+    "anchors512": ["--max-anchors", "512"],
     "lr1.2e-3": ["--lr", "1.2e-3"],
     "lr3e-4": ["--lr", "3e-4"],
 }
+
+
+def step_seconds(metrics: Path) -> float:
+    """Seconds per optimizer step, from the run's own clock (step 1 to the last): loading the target
+    and the data is not part of the budget."""
+    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    steps = [x for x in lines if "elapsed" in x and "step" in x]
+    first, last = steps[0], steps[-1]
+    if last["step"] == first["step"]:
+        return first["elapsed"]
+    return (last["elapsed"] - first["elapsed"]) / (last["step"] - first["step"])
 
 
 def train(flags: list[str], out: Path, threads: int) -> tuple[float, dict]:
@@ -68,14 +80,18 @@ def main() -> None:
     for name in names:
         flags = base + CONFIGS[name]
         out = Path(a.out) / name
-        cal_wall, _ = train(flags + ["--steps", str(a.calibration_steps)], out, a.threads)
-        steps = max(a.calibration_steps, int(a.budget_min * 60 / (cal_wall / a.calibration_steps)))
+        train(flags + ["--steps", str(a.calibration_steps)], out, a.threads)
+        per_step = step_seconds(out / "metrics.jsonl")
+        steps = max(a.calibration_steps, int(a.budget_min * 60 / per_step))
         wall, summary = train(flags + ["--steps", str(steps), "--eval-every", str(steps)], out, a.threads)
-        results[name] = {"flags": CONFIGS[name], "steps": steps, "tokens": summary.get("tokens"), "wall_s": round(wall),
+        train_s = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+                   if '"elapsed"' in x][-1]["elapsed"]
+        results[name] = {"flags": CONFIGS[name], "steps": steps, "tokens": summary.get("tokens"),
+                         "calibrated_step_s": round(per_step, 2), "train_s": round(train_s), "wall_s": round(wall),
                          "eval_tau": summary.get("eval_tau"), "eval_loss": summary.get("eval_loss"),
-                         "tau_per_cpu_hour": (summary.get("eval_tau", 1.0) - 1.0) / (wall * a.threads / 3600)}
-        print(f"{name:18} steps={steps:5d} wall={wall:6.0f}s eval_tau={summary.get('eval_tau', float('nan')):.3f}",
-              flush=True)
+                         "tau_gain_per_cpu_hour": (summary.get("eval_tau", 1.0) - 1.0) / (train_s * a.threads / 3600)}
+        print(f"{name:18} steps={steps:5d} train={train_s:6.0f}s eval_tau={summary.get('eval_tau', float('nan')):.3f} "
+              f"eval_loss={summary.get('eval_loss', float('nan')):.3f}", flush=True)
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(out / "metrics.jsonl", Path(a.json).with_name(f"{Path(a.json).stem}-{name}-metrics.jsonl"))
