@@ -11,12 +11,15 @@ from blockdraft.data.pipeline import default_data_file
 
 
 def test_bundled_data_is_present_and_never_an_evaluation_prompt():
+    """The bundled conversations: one target answer to each prompt of the committed prompt set
+    (>= 10,000), and no evaluation prompt among them."""
     from blockdraft.data import load_conversations
+    from blockdraft.data.prompt_set import read_prompts
 
     convs, _ = load_conversations(default_data_file())
-    assert len(convs) >= 300
     users = [c[0]["content"] for c in convs]
-    assert all(c[-1]["role"] == "assistant" for c in convs)
+    assert len(convs) >= 10_000 and all(c[-1]["role"] == "assistant" and c[-1]["content"].strip() for c in convs)
+    assert sorted(users) == sorted(msgs[0]["content"] for _, msgs in read_prompts())
     for name in ("mtbench", "gsm8k", "humaneval"):
         for msgs in load_prompt_set(name):
             text = msgs[0]["content"]
