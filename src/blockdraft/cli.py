@@ -40,6 +40,11 @@ def cmd_regenerate(args) -> int:
     res = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                      engine=args.engine, progress=not args.no_progress)
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
+    if args.bundle:
+        from .data.regenerate import bundle_answers
+
+        n = bundle_answers(args.out, args.bundle, prompts)
+        print(f"bundled {n} conversations in prompt-hash order -> {args.bundle}")
     return 0
 
 
@@ -260,6 +265,9 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (vLLM: 64-256)")
     r.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
+    r.add_argument("--bundle", default=None, metavar="FILE",
+                   help="then write every answer, ordered by prompt hash, to FILE (gzip if .gz, the same bytes on "
+                        "every rebuild): the form of the bundled data")
     r.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed records")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_regenerate)

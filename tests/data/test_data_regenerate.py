@@ -168,3 +168,28 @@ def test_a_prompt_set_keeps_builtin_prompts_with_surrounding_whitespace(monkeypa
     monkeypatch.setattr(magpie, "evaluation_texts", lambda: [])
     recs = build_prompt_set("unused", 0, 2)
     assert [r["kind"] for r in recs] == ["prose", "man"]
+
+
+def test_a_bundle_holds_the_answers_to_the_prompt_set_only_in_one_order(tmp_path, tok):
+    """--bundle: the answers to the given prompts and no others (a file that also answered an older
+    prompt set), ordered by prompt hash, byte-identical whatever order they were written in, and
+    read back by the training loader; an unfinished set is refused."""
+    import gzip
+
+    from blockdraft.data import load_conversations
+    from blockdraft.data.regenerate import bundle_answers
+
+    target = tiny_pair(tok)
+    prompts = [("a", user("Name a colour.")), ("b", user("Name a fruit.")), ("c", user("Name a city."))]
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    regenerate(target, prompts + [("old", user("Name a tree."))], one, max_new_tokens=3, progress=False)
+    regenerate(target, prompts[::-1], two, max_new_tokens=3, batch_size=1, progress=False)
+    assert bundle_answers(one, tmp_path / "one.jsonl.gz", prompts) == 3
+    bundle_answers(two, tmp_path / "two.jsonl.gz", prompts)
+    assert (tmp_path / "one.jsonl.gz").read_bytes() == (tmp_path / "two.jsonl.gz").read_bytes()
+    recs = [json.loads(x) for x in gzip.open(tmp_path / "one.jsonl.gz", "rt")]
+    assert [r["hash"] for r in recs] == sorted(prompt_hash(m) for _, m in prompts)
+    convs, _ = load_conversations(tmp_path / "one.jsonl.gz")
+    assert sorted(c[0]["content"] for c in convs) == sorted(m[0]["content"] for _, m in prompts)
+    with pytest.raises(ValueError, match="1 of 4 prompts have no answer"):
+        bundle_answers(two, tmp_path / "x.jsonl.gz", prompts + [("new", user("Name a river."))])

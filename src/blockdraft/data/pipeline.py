@@ -61,7 +61,12 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "assets" / "data"
 
 
 def default_data_file() -> Path:
-    """The bundled conversations (gzip JSONL; the plain JSONL of older releases where that is all there is)."""
+    """The bundled conversations (gzip JSONL; the plain JSONL of older releases where that is all there is).
+
+    The committed file is SmolLM2's greedy answers to the bundled prompt set, rebuilt with
+        blockdraft regenerate --engine vllm --prompts default --out answers.jsonl --batch-size 512 \\
+            --bundle src/blockdraft/assets/data/default.jsonl.gz
+    """
     gz = DATA_DIR / "default.jsonl.gz"
     return gz if gz.exists() else DATA_DIR / "default.jsonl"
 

@@ -137,3 +137,25 @@ def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.P
     finally:
         bar.close()
     return {"written": written, "skipped": skipped, "total": skipped + len(todo)}
+
+
+def bundle_answers(answers: str | os.PathLike, out: str | os.PathLike, prompts: list[tuple[object, list[dict]]]) -> int:
+    """Write the answers to `prompts` (and nothing else `answers` may hold) ordered by prompt hash, so
+    the file does not depend on the order they were written in; gzip with a fixed timestamp for
+    .gz (the same bytes on every rebuild). Every prompt must be answered. Returns the count."""
+    from .prompt_set import write_prompts
+
+    want = {prompt_hash(prompt_messages(m)) for _, m in prompts}
+    got = {}
+    with open(answers, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                h = rec.get("hash") or prompt_hash(prompt_messages(rec["messages"]))
+                if h in want:
+                    got[h] = rec
+    if len(got) < len(want):
+        raise ValueError(f"{answers}: {len(want) - len(got)} of {len(want)} prompts have no answer yet; run "
+                         "regenerate to completion before bundling")
+    write_prompts([got[h] for h in sorted(got)], out)
+    return len(got)
