@@ -27,16 +27,16 @@ from pathlib import Path
 BASE = ["--max-rows", "256", "--eval-fraction", "0.02", "--eval-every", "100000", "--save-every", "100000",
         "--no-progress"]
 CONFIGS = {  # name -> flags on top of the base
-    "base": [],
-    "gamma1": ["--gamma", "1"],
+    "base": ["--gamma-schedule", "fixed"],  # the paper's gamma (7 at block 16); the default was fixed then
+    "gamma1": ["--gamma-schedule", "fixed", "--gamma", "1"],
     "gamma-acceptance": ["--gamma-schedule", "acceptance"],
-    "block8": ["--block-size", "8"],
-    "layers2": ["--draft-layers", "2", "--sliding-layers", "1"],
-    "anchors64": ["--max-anchors", "64"],
-    "anchors256": ["--max-anchors", "256"],
-    "anchors512": ["--max-anchors", "512"],
-    "lr1.2e-3": ["--lr", "1.2e-3"],
-    "lr3e-4": ["--lr", "3e-4"],
+    "block8": ["--gamma-schedule", "fixed", "--block-size", "8"],
+    "layers2": ["--gamma-schedule", "fixed", "--draft-layers", "2", "--sliding-layers", "1"],
+    "anchors64": ["--gamma-schedule", "fixed", "--max-anchors", "64"],
+    "anchors256": ["--gamma-schedule", "fixed", "--max-anchors", "256"],
+    "anchors512": ["--gamma-schedule", "fixed", "--max-anchors", "512"],
+    "lr1.2e-3": ["--gamma-schedule", "fixed", "--lr", "1.2e-3"],
+    "lr3e-4": ["--gamma-schedule", "fixed", "--lr", "3e-4"],
 }
 
 
