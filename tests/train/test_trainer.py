@@ -215,7 +215,7 @@ def test_gamma_follows_the_acceptance_when_asked(tmp_path):
         want = 0.5 if ema is None else min(default_gamma(4), max(0.5, ema - 0.5))
         assert r["gamma"] == pytest.approx(want)
         ema = r["tau"] if ema is None else 0.9 * ema + 0.1 * r["tau"]
-    fixed = make(tmp_path / "b", steps=2, gamma=2.0)
+    fixed = make(tmp_path / "b", steps=2, gamma=2.0, gamma_schedule="fixed")
     fixed.train()
     assert {r["gamma"] for r in records(tmp_path / "b")} == {2.0}
 

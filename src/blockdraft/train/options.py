@@ -22,9 +22,9 @@ class TrainConfig:
     loss: str = opt("kl", "kl or soft cross-entropy against the target's distribution, or hard (its argmax)",
                     choices=LOSSES)
     gamma: float | None = opt(None, "slot weights exp(-(k-1)/gamma) (default: the paper's, 7 at block 16)")
-    gamma_schedule: str = opt("fixed", "fixed: --gamma throughout; acceptance: gamma follows the training "
-                                       "acceptance, tau - 1/2 (at least 0.5, at most --gamma or the paper's), so "
-                                       "the weight moves to the far slots as the drafter reaches them",
+    gamma_schedule: str = opt("acceptance", "acceptance: gamma follows the training acceptance, tau - 1/2 (at "
+                                            "least 0.5, at most --gamma or the paper's), so the weight moves to the "
+                                            "far slots as the drafter reaches them; fixed: --gamma throughout",
                               choices=("fixed", "acceptance"))
     eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end)")
     save_every: int = opt(25, "checkpoint every N steps (and after the first and the last)")
