@@ -1,45 +1,49 @@
-"""The train / held-out files the bundled drafter's second stage used.
+"""The train / held-out files of a stage of the bundled drafter that goes on from an earlier one.
 
-The first stage trained on the first 416 bundled conversations with a seeded-shuffle split
-(21 held out). The second stage went on from that drafter on all 1158, so its held-out file must
-hold nothing the first stage trained on: the first stage's 21 held-out conversations plus the
-hash-split 5 % of the 742 added ones; everything else is training data.
+A held-out conversation must be one no earlier stage saw: its user prompt is not in `--seen`
+(the data the earlier stages trained and evaluated on). The held-out file is the hash split
+(`split_conversations`, seed 0) of the unseen conversations at `--eval-fraction`; everything
+else is training data.
 
-    python benchmarks/default_drafter_split.py --out runs/stage2-data
-    blockdraft train --data runs/stage2-data/train.jsonl --eval-data runs/stage2-data/eval.jsonl \\
-        --init-drafter <stage-1 drafter> --max-rows 0 --epochs 3 --lr 1.5e-3 --warmup 20 --eval-every 50
+Stage 4 (the 10,629 bundled conversations, going on from stage 3, which saw the 1,158 of the
+earlier bundled file, `git show 6a1b8bf:src/blockdraft/assets/data/default.jsonl`):
+
+    python benchmarks/default_drafter_split.py --seen runs/stage3-data.jsonl --out runs/stage4-data
+    blockdraft train --data runs/stage4-data/train.jsonl --eval-data runs/stage4-data/eval.jsonl \\
+        --init-drafter default --window-rule query --max-rows 0 ...
+
+(Stage 2 used an earlier version of this script, in the history beside its data.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
 
 def main() -> None:
+    from blockdraft.data import load_conversations
     from blockdraft.data.pipeline import default_data_file, split_conversations
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(default_data_file()))
-    p.add_argument("--first", type=int, default=416, help="conversations the first stage had")
+    p.add_argument("--seen", required=True, help="conversations earlier stages trained or evaluated on")
+    p.add_argument("--eval-fraction", type=float, default=0.01)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    recs = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
-    old, new = recs[:a.first], recs[a.first:]
-    order = list(range(len(old)))
-    random.Random(0).shuffle(order)  # the first stage's split (seed 0, 5 %)
-    old_held = set(order[:round(0.05 * len(old))])
-    _, new_held_msgs = split_conversations([r["messages"] for r in new], 0.05, 0)
-    new_held = {i for i, r in enumerate(new) if r["messages"] in new_held_msgs}
-    held = [r for i, r in enumerate(old) if i in old_held] + [r for i, r in enumerate(new) if i in new_held]
-    train = [r for i, r in enumerate(old) if i not in old_held] + [r for i, r in enumerate(new) if i not in new_held]
+    convs, _ = load_conversations(a.data)
+    seen = {c[0]["content"] for c in load_conversations(a.seen)[0]}
+    unseen = [c for c in convs if c[0]["content"] not in seen]
+    _, held = split_conversations(unseen, a.eval_fraction, 0)
+    held_keys = {json.dumps(c, sort_keys=True) for c in held}
+    train = [c for c in convs if json.dumps(c, sort_keys=True) not in held_keys]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, part in (("train", train), ("eval", held)):
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-    print(f"{len(train)} training and {len(held)} held-out conversations -> {out}")
+        (out / f"{name}.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in part))
+    print(f"{len(train)} training and {len(held)} held-out conversations ({len(convs) - len(unseen)} with a prompt "
+          f"an earlier stage saw, never held out) -> {out}")
 
 
 if __name__ == "__main__":
