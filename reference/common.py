@@ -91,6 +91,7 @@ def smollm2_variants():
         d.load_state_dict(sd, strict=False)
         return d.eval()
 
+    out["anchor-causal"] = variant(sliding_window_rule="anchor")
     out["query-causal"] = variant(sliding_window_rule="query")
     out["query-causal-full-vocab"] = variant(sliding_window_rule="query", draft_vocab_size=None)
     out["query-bidirectional"] = variant(sliding_window_rule="query", sliding_causal_in_block=False)

@@ -150,14 +150,15 @@ def test_one_training_step_matches_speculators(tmp_path, case):
 
 
 def test_smollm2_drafter_loads_as_written_and_matches(tmp_path):
-    """The shipped SmolLM2 drafter (anchor rule, sliding, draft vocabulary) through its converter,
-    on real text: speculators' logits equal ours; the verifier path is the local target."""
+    """The shipped SmolLM2 drafter's weights (sliding, draft vocabulary) under speculators' own
+    window rule (the anchor rule) through its converter, on real text: speculators' logits equal
+    ours; the verifier path is the local target."""
     target = smollm2_target([1, 8, 14, 21, 27])
-    ours = smollm2_variants()["shipped"]
+    ours = smollm2_variants()["anchor-causal"]
     from blockdraft.checkpoint.native import default_verifier
 
     path, found = export_drafter(ours, tmp_path / "spec", "speculators", allow_mismatch=True)
-    assert any(f.consumer == "vLLM" for f in found)  # the anchor rule is refused for serving without the flag
+    assert any(f.consumer == "vLLM" and f.refuse for f in found)  # the anchor rule is refused for serving
     theirs = load_speculators(path)
     assert theirs.config.speculators_config.verifier.name_or_path == default_verifier("smollm2")
     text = "The quick brown fox jumps over the lazy dog. " * 6

@@ -91,7 +91,7 @@ def record(case, out, tau, per_pos, identical_target, identical_ours, n):
         Path(path).write_text(json.dumps(RESULTS, indent=1) + "\n")
 
 
-CASES = [("query-causal", "zlab"), ("query-causal", "speculators"), ("query-bidirectional", "zlab"),
+CASES = [("shipped", "zlab"), ("query-causal", "speculators"), ("query-bidirectional", "zlab"),
          ("full-attention", "zlab")]
 
 
@@ -113,22 +113,23 @@ def test_vllm_serves_the_drafter_as_blockdraft_computes_it(setup, variant, fmt):
 
 
 def test_vllm_serves_an_anchor_window_drafter_with_the_query_window(setup):
-    """The shipped drafter was trained with the anchor window; vLLM computes the query window from
-    the same weights. Its acceptance follows our query-rule twin of the weights, not the drafter
-    as trained: why `convert` refuses such a drafter for vLLM without --allow-mismatch."""
+    """A drafter with the anchor window (speculators' rule, and older blockdraft drafters'): vLLM
+    computes the query window from the same weights. Its acceptance follows our query-rule twin of
+    the weights, not the drafter as trained: why `convert` refuses such a drafter for vLLM without
+    --allow-mismatch."""
     tmp, target, prompts, base = setup
     variants = smollm2_variants()
-    path, found = export_drafter(variants["shipped"], tmp / "shipped-zlab", "zlab", allow_mismatch=True)
+    path, found = export_drafter(variants["anchor-causal"], tmp / "anchor-zlab", "zlab", allow_mismatch=True)
     assert any(f.refuse and f.consumer == "vLLM" for f in found)
-    out = serve(tmp, "shipped-zlab", prompts, path)
+    out = serve(tmp, "anchor-zlab", prompts, path)
     assert out["tokens"] == base["tokens"]
-    _, tau_anchor, per_pos_anchor = ours(target, variants["shipped"], prompts)
+    _, tau_anchor, per_pos_anchor = ours(target, variants["anchor-causal"], prompts)
     _, tau_query, per_pos_query = ours(target, variants["query-causal"], prompts)
-    record("shipped-anchor/zlab", out, tau_anchor, per_pos_anchor, sum(a == b for a, b in zip(out["tokens"],
+    record("anchor-causal/zlab", out, tau_anchor, per_pos_anchor, sum(a == b for a, b in zip(out["tokens"],
                                                                                              base["tokens"])),
            -1, len(prompts))
-    RESULTS["shipped-anchor/zlab"]["blockdraft_query_twin_tau"] = round(tau_query, 4)
-    RESULTS["shipped-anchor/zlab"]["blockdraft_query_twin_accepted_per_pos"] = per_pos_query
+    RESULTS["anchor-causal/zlab"]["blockdraft_query_twin_tau"] = round(tau_query, 4)
+    RESULTS["anchor-causal/zlab"]["blockdraft_query_twin_accepted_per_pos"] = per_pos_query
     if os.environ.get("REFERENCE_RESULTS"):
         Path(os.environ["REFERENCE_RESULTS"]).write_text(json.dumps(RESULTS, indent=1) + "\n")
     def gap(ours_per_pos):  # L1 distance between vLLM's accepted-per-position counts and ours
