@@ -92,6 +92,9 @@ def smollm2_variants():
         return d.eval()
 
     out["anchor-causal"] = variant(sliding_window_rule="anchor")
+    # a narrow window (W=8 < B=16) makes the two rules compute clearly different drafts
+    out["anchor-causal-w8"] = variant(sliding_window_rule="anchor", sliding_window=8)
+    out["query-causal-w8"] = variant(sliding_window_rule="query", sliding_window=8)
     out["query-causal"] = variant(sliding_window_rule="query")
     out["query-causal-full-vocab"] = variant(sliding_window_rule="query", draft_vocab_size=None)
     out["query-bidirectional"] = variant(sliding_window_rule="query", sliding_causal_in_block=False)
