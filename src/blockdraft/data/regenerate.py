@@ -32,6 +32,11 @@ def prompt_hash(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(turns, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:20]
 
 
+def record_hash(rec: dict) -> str:
+    """The prompt hash of an answer record (older files carry no "hash" field: computed)."""
+    return rec.get("hash") or prompt_hash(prompt_messages(rec["messages"]))
+
+
 def done_hashes(path: Path) -> set:
     """Prompt hashes already answered in `path`; truncates a torn last line left by a kill."""
     if not path.exists():
@@ -44,8 +49,7 @@ def done_hashes(path: Path) -> set:
     done = set()
     for line in raw[:cut].decode("utf-8").splitlines():
         if line.strip():
-            rec = json.loads(line)
-            done.add(rec.get("hash") or prompt_hash(prompt_messages(rec["messages"])))
+            done.add(record_hash(json.loads(line)))
     return done
 
 
@@ -151,7 +155,7 @@ def bundle_answers(answers: str | os.PathLike, out: str | os.PathLike, prompts: 
         for line in f:
             if line.strip():
                 rec = json.loads(line)
-                h = rec.get("hash") or prompt_hash(prompt_messages(rec["messages"]))
+                h = record_hash(rec)
                 if h in want:
                     got[h] = rec
     if len(got) < len(want):
