@@ -22,12 +22,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def main() -> None:
     import torch
 
-    from blockdraft.checkpoint import load_drafter
-    from blockdraft.data.pipeline import DataOptions, bound_rows, conversation_rows
+    from blockdraft.checkpoint.native import read_config, resolve_drafter
+    from blockdraft.data.pipeline import DataOptions
     from blockdraft.target import TargetModel
     from blockdraft.train.build import continue_drafter
-    from blockdraft.train.options import TrainConfig
-    from blockdraft.train.trainer import evaluate
+    from blockdraft.train.run import RunConfig, training_data
+    from blockdraft.train.trainer import evaluate, rows_per_batch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--drafter", default="default", help="a saved drafter directory or 'default'")
@@ -43,13 +43,13 @@ def main() -> None:
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = TrainConfig()
-    target = TargetModel.from_pretrained(a.target, layer_ids=load_drafter(a.drafter).config.target_layer_ids)
+    layer_ids = read_config(resolve_drafter(a.drafter))[1].target_layer_ids
+    target = TargetModel.from_pretrained(a.target, layer_ids=layer_ids)
     drafter = continue_drafter(a.drafter, target, "cpu", a.window_rule)
-    d = DataOptions(data=a.data, eval_data=a.eval_data, max_rows=a.max_rows, max_length=a.max_length)
-    train_rows, eval_rows = bound_rows(*conversation_rows(target.tokenizer, d, cfg.seed), d.max_rows)
-    rows_per_batch = max(1, cfg.batch_tokens // train_rows["input_ids"].shape[1])
-    m = evaluate(target, drafter, eval_rows, cfg, rows_per_batch)
+    run = RunConfig(data=DataOptions(data=a.data, eval_data=a.eval_data, max_rows=a.max_rows,
+                                     max_length=a.max_length, memo_features="off"))
+    train_rows, eval_rows, _ = training_data(run, target)  # the rows `blockdraft train` builds
+    m = evaluate(target, drafter, eval_rows, run.train, rows_per_batch(run.train, train_rows))
     out = {"drafter": a.drafter, "window_rule": drafter.config.sliding_window_rule,
            "held_out_rows": int(eval_rows["input_ids"].shape[0]), **m}
     print(f"held-out tau {m['eval_tau']:.4f} on {out['held_out_rows']} rows ({m['eval_blocks']} blocks)")

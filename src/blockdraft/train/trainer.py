@@ -43,6 +43,11 @@ def feature_scale_from(features: torch.Tensor) -> torch.Tensor:
     return 1.0 / features.float().pow(2).mean(dim=(0, 1)).sqrt().clamp(min=1e-2)
 
 
+def rows_per_batch(cfg: TrainConfig, train_rows: dict) -> int:
+    """Whole packed rows per micro-batch (training and its held-out evaluation alike)."""
+    return max(1, cfg.batch_tokens // train_rows["input_ids"].shape[1])
+
+
 @torch.no_grad()
 def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int, features=None) -> dict:
     """Held-out loss, exact mean accepted length (tau) and per-slot accuracy, with fixed anchors."""
@@ -84,8 +89,7 @@ class Trainer:
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.keep_function = keep_function
         self.out = Path(cfg.out)
-        L = train_rows["input_ids"].shape[1]
-        self.rows_per_batch = max(1, cfg.batch_tokens // L)
+        self.rows_per_batch = rows_per_batch(cfg, train_rows)
         R = train_rows["input_ids"].shape[0]
         self.rank, self.world = world()
         # one optimizer step takes grad_accum micro-batches on every rank
