@@ -1,10 +1,16 @@
-"""Two gloo processes train exactly like one process with two-step gradient accumulation."""
+"""Two gloo processes train exactly like one process with two-step gradient accumulation, under a
+strict shim that fails wherever nccl on CUDA would (tests/cuda_shim.py): every collective's tensor
+on the device, one gradient collective per bucket (replicated) or per unit and step (FSDP), the
+held-out rows split across the ranks, one writer of metrics.jsonl."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import pathlib
 import socket
+import time
 
 import pytest
 import torch
@@ -15,8 +21,10 @@ from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.train.trainer import TrainConfig, Trainer
 
+EVAL_ROWS = 5  # an odd count: one rank evaluates more batches than the other
 
-def build(out, grad_accum, fsdp=False):
+
+def build(out, grad_accum, fsdp=False, row_shards=None):
     from conftest import tiny_target
     from conftest import tiny_rows
 
@@ -26,29 +34,62 @@ def build(out, grad_accum, fsdp=False):
         t.model.get_output_embeddings().weight.mul_(20)
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
-    cfg = TrainConfig(out=str(out), steps=5, batch_tokens=40, max_anchors=8, eval_every=100, save_every=2,
-                      lr=3e-3, warmup=1, grad_accum=grad_accum, progress=False, fsdp=fsdp)
-    return Trainer(t, d, tiny_rows(16), tiny_rows(4, seed=1) if fsdp else None, cfg)
-
-
-def worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        build(out, grad_accum=1).train()
-    finally:
-        dist.destroy_process_group()
+    cfg = TrainConfig(out=str(out), steps=5, batch_tokens=40, max_anchors=8, eval_every=2, save_every=2,
+                      lr=3e-3, warmup=1, grad_accum=grad_accum, progress=False, fsdp=fsdp, row_shards=row_shards)
+    return Trainer(t, d, tiny_rows(16), tiny_rows(EVAL_ROWS, seed=1), cfg)
 
 
 class Stop(Exception):
     pass
 
 
-def fsdp_worker(rank, world, port, out, stop_after, resume):
+def slow_metrics_rewrites(rank):
+    """Make the metrics rewrite of a resume slow to finish and the other ranks slow to read, so a
+    rank reading the file while another rewrites it (the race of several writers) shows every time."""
+    real_write, real_read = pathlib.Path.write_text, pathlib.Path.read_text
+
+    def write_text(self, data, *a, **kw):
+        if self.name.startswith("metrics.jsonl"):
+            with open(self, "w") as f:
+                f.flush()
+                time.sleep(0.4)
+        return real_write(self, data, *a, **kw)
+
+    def read_text(self, *a, **kw):
+        if self.name == "metrics.jsonl" and rank != 0:
+            time.sleep(0.15)
+        return real_read(self, *a, **kw)
+
+    pathlib.Path.write_text, pathlib.Path.read_text = write_text, read_text
+
+
+def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resume=False):
+    """One rank of a run under the strict shim; writes what the shim saw to out/shim-{rank}-{phase}.json."""
+    from cuda_shim import strict_collectives
+
+    import blockdraft.train.trainer as trainer_mod
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    evals, real_loss = [], trainer_mod.compute_loss
+
+    def counted(*a, **kw):
+        if kw.get("sync_metrics") is False:  # evaluate's call
+            evals[-1] += 1
+        return real_loss(*a, **kw)
+
+    real_evaluate = trainer_mod.evaluate
+
+    def evaluate(*a, **kw):
+        evals.append(0)
+        return real_evaluate(*a, **kw)
+
+    trainer_mod.compute_loss, trainer_mod.evaluate = counted, evaluate
+    if resume:
+        slow_metrics_rewrites(rank)
+    placement, coll = strict_collectives()
     try:
-        tr = build(out, grad_accum=1, fsdp=True)
+        tr = build(out, grad_accum=grad_accum, fsdp=fsdp)
         if stop_after:  # a kill after `stop_after` steps, on every rank
             real = tr.step
 
@@ -57,12 +98,20 @@ def fsdp_worker(rank, world, port, out, stop_after, resume):
                     raise Stop
                 return real()
             tr.step = step
-        try:
-            tr.train(resume=resume)
-        except Stop:
-            pass
+        with coll, placement:
+            try:
+                tr.train(resume=resume)
+            except Stop:
+                pass
     finally:
         dist.destroy_process_group()
+    phase = "resume" if resume else "first"
+    (out / f"shim-{rank}-{phase}.json").write_text(json.dumps(
+        {"violations": coll.violations, "calls": coll.calls, "evals": evals}))
+
+
+def shim(out, rank, phase="first"):
+    return json.loads((out / f"shim-{rank}-{phase}.json").read_text())
 
 
 def losses(out):
@@ -75,14 +124,43 @@ def free_port():
         return s.getsockname()[1]
 
 
+def spawn(world, *args):
+    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def metrics(out):
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_shim(out, phases=("first",), world=2):
+    """Nothing nccl would refuse; the held-out batches split across the ranks (each its share, none twice)."""
+    share = math.ceil(EVAL_ROWS / world)
+    for r in range(world):
+        for ph in phases:
+            got = shim(out, r, ph)
+            assert got["violations"] == [], got["violations"][:5]
+            assert got["calls"].get("all_reduce", 0) > 0
+            assert got["evals"] and all(n <= share for n in got["evals"]), got["evals"]
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_processes_match_one_process_with_accumulation(tmp_path):
-    one = build(tmp_path / "one", grad_accum=2)
+    one = build(tmp_path / "one", grad_accum=2, row_shards=2)  # the rows split as two ranks split them
     one.train()
-    mp.spawn(worker, args=(2, free_port(), tmp_path / "two"), nprocs=2, join=True)
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    spawn(2, tmp_path / "two")
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert len(a) == len(b) == 5
-    assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+    for key in ("loss", "tau", "grad_norm"):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5, abs=1e-6), key
+    # the held-out figures of two ranks, each evaluating its share, are one process's
+    for key in ("eval_tau", "eval_loss"):
+        ev = [[(m["step"], m[key]) for m in x if key in m] for x in (a, b)]
+        assert [s for s, _ in ev[0]] == [s for s, _ in ev[1]] == [2, 4, 5]
+        assert [v for _, v in ev[1]] == pytest.approx([v for _, v in ev[0]], rel=1e-6), key
+    check_shim(tmp_path / "two")
+    # replicated: per step one gradient bucket, one metrics reduction; one per evaluation
+    n_evals = sum(1 for m in a if "eval_tau" in m)
+    assert shim(tmp_path / "two", 0)["calls"]["all_reduce"] == 2 * 5 + n_evals
     from blockdraft.checkpoint import load_drafter
 
     w1 = load_drafter(tmp_path / "one" / "drafter").fc.weight
@@ -124,23 +202,42 @@ def test_two_process_extraction_equals_one_process(tmp_path):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fsdp_two_processes_match_one_process_and_resume_exactly(tmp_path):
-    """FSDP2 (sharded drafter) on 2 gloo processes: the same losses, held-out metrics and final
-    weights as one process with 2-step accumulation, through a kill after step 3 and a resume
-    from the step-2 checkpoint (gathered full state, re-sharded optimizer state)."""
-    one = build(tmp_path / "one", grad_accum=2, fsdp=True)  # fsdp on one process: plain training
+    """FSDP2 (sharded drafter) on 2 gloo processes: the same losses, grad norms, held-out metrics and
+    final weights as one process with 2-step accumulation, through a kill after step 3 and a resume
+    from the step-2 checkpoint (gathered full state, re-sharded optimizer state); every metrics line
+    once, with the rewrite of the resume made slow enough that a second writer would be seen."""
+    one = build(tmp_path / "one", grad_accum=2, fsdp=True, row_shards=2)  # fsdp on one process: plain training
     assert not one.fsdp
     one.train()
-    mp.spawn(fsdp_worker, args=(2, free_port(), tmp_path / "two", 3, False), nprocs=2, join=True)
-    assert len(losses(tmp_path / "two")) == 3
-    mp.spawn(fsdp_worker, args=(2, free_port(), tmp_path / "two", 0, True), nprocs=2, join=True)
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(a) == len(b) == 5
-    assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
-    ev = [[json.loads(ln).get("eval_tau") for ln in (p / "metrics.jsonl").read_text().splitlines()]
-          for p in (tmp_path / "one", tmp_path / "two")]
-    assert ev[0][-1] is not None and ev[0] == ev[1]
+    spawn(2, tmp_path / "two", 1, True, 3, False)
+    assert [m["step"] for m in metrics(tmp_path / "two")] == [1, 2, 3]
+    spawn(2, tmp_path / "two", 1, True, 0, True)
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5]  # step 3 redone once, nothing lost
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5, abs=1e-6), key
+    ev = [[(m["step"], m["eval_tau"]) for m in x if "eval_tau" in m] for x in (a, b)]
+    assert [s for s, _ in ev[0]] == [s for s, _ in ev[1]] == [2, 4, 5]
+    assert [v for _, v in ev[1]] == pytest.approx([v for _, v in ev[0]], rel=1e-6)
+    check_shim(tmp_path / "two", ("first", "resume"))
     from blockdraft.checkpoint import load_drafter
 
     d1, d2 = load_drafter(tmp_path / "one" / "drafter"), load_drafter(tmp_path / "two" / "drafter")
     for (n, p1), p2 in zip(d1.state_dict().items(), d2.state_dict().values()):
         torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_fsdp_reduces_gradients_once_per_step_under_accumulation(tmp_path):
+    """With 2 micro-batches per step, FSDP reduce-scatters once per unit and step (the first
+    micro-batch accumulates unsharded), and trains as one process with 4-step accumulation."""
+    one = build(tmp_path / "one", grad_accum=4, row_shards=2)
+    one.train()
+    spawn(2, tmp_path / "two", 2, True)
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-5, abs=1e-6)
+    calls = shim(tmp_path / "two", 0)["calls"]
+    units = 2  # the drafter's one layer and its root
+    reduce_scatters = sum(v for k, v in calls.items() if k.startswith("reduce_scatter"))
+    assert reduce_scatters == units * 5, calls
+    check_shim(tmp_path / "two")

@@ -136,7 +136,7 @@ def test_labels_are_the_targets_own_logits_at_a_plus_k_minus_1():
             for k in range(4):
                 if p.supervised[j, k]:
                     ref.append(full[a + k - 1])
-        torch.testing.assert_close(p.target_logits, torch.stack(ref), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p.target_logits.per_slot(), torch.stack(ref), rtol=1e-5, atol=1e-5)
         f = torch.stack([feat[i] for i in range(60)])
         torch.testing.assert_close(p.features[:, : t.hidden_size], f, rtol=1e-5, atol=1e-5)
 

@@ -139,7 +139,10 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 class DiskFeatures:
-    """A finished cache directory: rows (for the trainer) and their stored target outputs."""
+    """A finished cache directory: rows (for the trainer) and their stored target outputs, in the
+    stored precision (the drafter and the head cast them where they are used)."""
+
+    prefetch = True  # reads are disk-bound: the trainer reads a micro-batch ahead (data.prefetch)
 
     def __init__(self, directory: str | os.PathLike, *, expect: dict | None = None):
         self.dir = Path(directory)
@@ -203,4 +206,16 @@ class DiskFeatures:
             except Exception as e:  # safetensors raises several kinds on a cut file
                 raise damaged(self._paths[k], e) from None
         top = torch.cat(tops) if len(tops) == len(feats) else None
-        return StoredOutputs(torch.cat(feats).float(), torch.cat(finals).float(), top)
+        return StoredOutputs(torch.cat(feats), torch.cat(finals), top)
+
+
+class CacheView:
+    """Some rows of a DiskFeatures, renumbered 0..n-1 (a training or held-out part of a cache)."""
+
+    prefetch = True
+
+    def __init__(self, cache: DiskFeatures, idx: torch.Tensor):
+        self.cache, self.idx = cache, idx
+
+    def __call__(self, i: torch.Tensor) -> StoredOutputs:
+        return self.cache(self.idx[i])

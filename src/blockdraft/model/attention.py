@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .masks import anchor_block_mask, chunk_mask, flex_mask_mod, plan_chunks
+from .masks import anchor_block_mask, chunk_mask, flex_block_mask, plan_chunks
 
 BACKENDS = ("auto", "dense", "chunked", "flex")
 
@@ -30,6 +30,11 @@ class BlockLayout:
     document_ids [T]: document of every context row (globally unique across packed rows).
     position_ids [T]: RoPE position of every context row (restarts per document).
     anchors [N]: sorted flat indices of the anchors (valid ones only).
+    host_document_ids, host_anchors: the same on the CPU, where the caller has them (the masks'
+    tile plans are built there; without them they are copied back once).
+
+    The masks of a layer kind are built once per layout and shared by every layer of that kind,
+    the gradient-checkpoint recompute and evaluation.
     """
 
     document_ids: torch.Tensor
@@ -37,7 +42,10 @@ class BlockLayout:
     anchors: torch.Tensor
     block_size: int
     max_chunk_blocks: int = 32
+    host_document_ids: torch.Tensor | None = None
+    host_anchors: torch.Tensor | None = None
     _chunks: dict = field(default_factory=dict, repr=False)
+    _block_masks: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.document_ids.dim() != 1 or self.position_ids.shape != self.document_ids.shape:
@@ -54,11 +62,29 @@ class BlockLayout:
         k = torch.arange(self.block_size, device=self.anchors.device)
         return self.position_ids[self.anchors][:, None] + k[None, :]
 
+    def host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors, document_ids) on the CPU."""
+        if self.host_anchors is None:
+            self.host_anchors = self.anchors.cpu()
+        if self.host_document_ids is None:
+            self.host_document_ids = self.document_ids.cpu()
+        return self.host_anchors, self.host_document_ids
+
     def chunks(self, window: int | None):
         if window not in self._chunks:
-            self._chunks[window] = plan_chunks(self.anchors, self.document_ids,
-                                               max_blocks=self.max_chunk_blocks, sliding_window=window)
+            a, doc = self.host()
+            self._chunks[window] = plan_chunks(a, doc, max_blocks=self.max_chunk_blocks, sliding_window=window)
         return self._chunks[window]
+
+    def block_mask(self, vis: "LayerVisibility", device):
+        """The flex-attention BlockMask of one layer kind, built on first use (masks.flex_block_mask)."""
+        key = (vis, str(device))
+        if key not in self._block_masks:
+            a, doc = self.host()
+            self._block_masks[key] = flex_block_mask(
+                a, doc, self.block_size, vis.window, vis.causal, vis.rule, device=device,
+                device_anchors=self.anchors.to(device), device_document_ids=self.document_ids.to(device))
+        return self._block_masks[key]
 
 
 @dataclass(frozen=True)
@@ -120,22 +146,34 @@ def _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale):
 _compiled_flex = None
 
 
+def same_dtype(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """q, k and v in one dtype: under autocast the autocast dtype, else their promoted one. Under
+    bf16 autocast the RMSNorm and RoPE follow fp32 weights while v stays bf16; SDPA is cast by
+    autocast, flex attention is not, and torch before 2.10 refuses mixed dtypes."""
+    dev = xs[0].device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+    else:
+        dt = xs[0].dtype
+        for x in xs[1:]:
+            dt = torch.promote_types(dt, x.dtype)
+    return [x.to(dt) for x in xs]
+
+
 def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale):
     global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     N, B, Hq, D = q.shape
-    T = k_ctx.shape[0]
     fn = flex_attention
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
         fn = _compiled_flex
-    mod = flex_mask_mod(layout.anchors.to(q.device), layout.document_ids.to(q.device), B, vis.window, vis.causal,
-                        vis.rule)
-    bm = create_block_mask(mod, None, None, N * B, T + N * B, device=q.device)
-    k = torch.cat([k_ctx, k_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]
+    bm = layout.block_mask(vis, q.device)  # built once per layout and layer kind, no Q x K tensor
+    k = torch.cat([k_ctx, k_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]  # [1, Hkv, T+N*B, D]
     v = torch.cat([v_ctx, v_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]
-    out = fn(q.reshape(N * B, Hq, D).transpose(0, 1)[None], k, v, block_mask=bm, scale=scale,
-             enable_gqa=Hq != k.shape[1])
+    qf = q.reshape(N * B, Hq, D).transpose(0, 1)[None]  # [1, Hq, N*B, D]
+    qf, k, v = same_dtype(qf, k, v)
+    out = fn(qf, k, v, block_mask=bm, scale=scale, enable_gqa=Hq != k.shape[1])
     return out[0].transpose(0, 1).reshape(N, B, Hq, D)

@@ -206,3 +206,101 @@ def cached_block_mask(context_positions: torch.Tensor, anchor_position: int, blo
     elif W is not None:
         ctx &= context_positions[None, :] >= anchor_position - W
     return torch.cat([ctx, blk], dim=1)
+
+
+# ------------------------------------------------------------------ flex-attention block masks
+# A BlockMask says, per tile of TILE queries x TILE keys, whether the tile is empty (skipped),
+# full (every query sees every key: no mask_mod call) or partial (mask_mod decides). torch's
+# uncompiled `create_block_mask` finds that by evaluating the rule on all Q x K pairs; here the
+# tiles come from each block's visible key ranges instead, so nothing of Q x K elements is ever
+# made (DESIGN.md section 5, rule 2). A tile may be called partial when it is empty or full (only
+# slower); a visible key is never in an empty tile, and a full tile is truly full: tests check
+# both against the dense reference.
+
+TILE = 128
+
+
+def _context_ranges(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int, sliding_window: int | None,
+                    window_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block j: [lo_any, a_j) holds every context key some slot of j sees, [lo_all, a_j) only keys
+    every slot sees. Returns (lo_any [N], lo_all [N], a [N])."""
+    a = anchors
+    start = document_starts(document_ids)[a]
+    lo_any, lo_all = start.clone(), start.clone()
+    W, B = sliding_window, block_size
+    if W is not None and window_rule == WINDOW_QUERY:  # slot i sees p > a + i - W
+        lo_any = torch.maximum(start, a - W + 1)
+        lo_all = torch.maximum(start, a + B - W)
+    elif W is not None:
+        lo_any = lo_all = torch.maximum(start, a - W)
+    return lo_any, lo_all, a
+
+
+def block_mask_tiles(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int,
+                     sliding_window: int | None, causal_in_block: bool, window_rule: str = DEFAULT_WINDOW_RULE,
+                     tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full): BoolTensors [Qt, Kt] over tiles of `tile` queries x `tile` keys of the flat
+    layout (Q = N*B queries, K = T + N*B keys), on the host. `causal_in_block` only narrows which
+    block tiles are visible, so block tiles are always partial."""
+    check_window_rule(window_rule)
+    a, doc = anchors.cpu().long(), document_ids.cpu()
+    T, N, B = doc.shape[0], a.shape[0], int(block_size)
+    Q, K = N * B, T + N * B
+    Qt, Kt = -(-Q // tile), -(-K // tile)
+    lo_any, lo_all, hi = _context_ranges(a, doc, B, sliding_window, window_rule)
+    j = torch.arange(N)
+    # every (block, query tile) pair: a block spans the tiles of its first and last query
+    first, last = (j * B) // tile, ((j + 1) * B - 1) // tile
+    span = last - first + 1  # [N]
+    pj = torch.repeat_interleave(j, span)  # [M] block of each pair
+    pq = first[pj] + (torch.arange(pj.numel()) - torch.repeat_interleave(torch.cumsum(span, 0) - span, span))
+    # key ranges [k0, k1) every pair touches: its context range and its own block's keys
+    ranges = [(lo_any[pj], hi[pj]), (T + pj * B, T + (pj + 1) * B)]
+    diff = torch.zeros(Qt, Kt + 1, dtype=torch.int32)
+    for k0, k1 in ranges:
+        ok = k1 > k0
+        q, t0, t1 = pq[ok], k0[ok] // tile, (k1[ok] - 1) // tile + 1
+        diff.index_put_((q, t0), torch.ones_like(q, dtype=torch.int32), accumulate=True)
+        diff.index_put_((q, t1), -torch.ones_like(q, dtype=torch.int32), accumulate=True)
+    touched = diff.cumsum(1)[:, :Kt] > 0  # [Qt, Kt]
+    # full context tiles: inside [max lo_all, min a) over the tile's blocks, and inside the context
+    big = torch.iinfo(torch.long).max
+    lo_max = torch.full((Qt,), -1, dtype=torch.long).scatter_reduce(0, pq, lo_all[pj], "amax")
+    hi_min = torch.full((Qt,), big, dtype=torch.long).scatter_reduce(0, pq, hi[pj], "amin")
+    k0 = torch.arange(Kt) * tile  # [Kt]
+    full = (k0[None, :] >= lo_max[:, None]) & (k0[None, :] + tile <= torch.minimum(hi_min, torch.tensor(T))[:, None])
+    if Q % tile:  # a last, short query tile is never called full
+        full[-1] = False
+    full &= touched
+    return touched & ~full, full
+
+
+def _ordered(tiles: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[Qt, Kt] bool -> (count [1, 1, Qt], indices [1, 1, Qt, Kt]) int32, the tiles in ascending order."""
+    count = tiles.sum(-1).to(torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[None, None].to(device), order[None, None].to(device)
+
+
+def flex_block_mask(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int, sliding_window: int | None,
+                    causal_in_block: bool, window_rule: str = DEFAULT_WINDOW_RULE, *, device=None,
+                    device_anchors: torch.Tensor | None = None, device_document_ids: torch.Tensor | None = None):
+    """The clause-5 BlockMask for flex attention over the flat layout, from the tiles of
+    `block_mask_tiles` (host tensors in) and `flex_mask_mod` for the partial tiles (evaluated
+    on the device copies of anchors and document ids)."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = block_mask_tiles(anchors, document_ids, block_size, sliding_window, causal_in_block, window_rule)
+    N, T = anchors.shape[0], document_ids.shape[0]
+    dev = torch.device(device) if device is not None else anchors.device
+    da = anchors.to(dev) if device_anchors is None else device_anchors
+    dd = document_ids.to(dev) if device_document_ids is None else device_document_ids
+    mod = flex_mask_mod(da, dd, block_size, sliding_window, causal_in_block, window_rule)
+    kv_num, kv_idx = _ordered(partial, dev)
+    full_num, full_idx = _ordered(full, dev)
+    kw = {}
+    if "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+        kw["seq_lengths"] = (N * block_size, T + N * block_size)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod, **kw)

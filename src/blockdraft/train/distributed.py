@@ -1,15 +1,25 @@
-"""torch.distributed glue: process group from torchrun's environment, rank helpers.
+"""torch.distributed glue: process group from torchrun's environment, rank helpers, collectives.
 
 `torchrun --nproc-per-node N -m blockdraft train ...` sets RANK/WORLD_SIZE/LOCAL_RANK; the
 backend is nccl on CUDA and gloo on CPU. A single process needs none of it.
+
+DESIGN.md section 5, rule 1: a collective's tensors live on the device its backend serves
+(nccl: this rank's cuda device; gloo: the CPU). `comm_device()` is that device, and every
+tensor this module hands to a collective is made there; metrics, counts and barriers included.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
+
+# how long a collective may wait for a rank doing work alone (rank 0 writing a checkpoint or the
+# final drafter, a slow first compile) before the watchdog calls the run dead
+DEFAULT_TIMEOUT_MIN = 60.0
+_COMM_DEVICE: torch.device | None = None
 
 
 def world() -> tuple[int, int]:
@@ -19,43 +29,133 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def init_from_env(device: str) -> tuple[int, int, str]:
-    """Join the process group torchrun describes; returns (rank, world, this rank's device)."""
+def backend_device(backend: str, device: str | torch.device) -> torch.device:
+    """The device whose tensors `backend` reduces: cuda for nccl, the CPU for gloo."""
+    return torch.device(device) if backend == "nccl" else torch.device("cpu")
+
+
+def comm_device() -> torch.device:
+    """Where this process's collective tensors must live (the CPU outside torch.distributed)."""
+    if _COMM_DEVICE is not None:
+        return _COMM_DEVICE
+    if world()[1] > 1:  # a group made by someone else (tests, a launcher): ask its backend
+        backend = dist.get_backend()
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_from_env(device: str, timeout_min: float | None = None) -> tuple[int, int, str]:
+    """Join the process group torchrun describes; returns (rank, world, this rank's device).
+
+    nccl gets the rank's device (`device_id`: the group is bound to it, barriers use it) and
+    both backends a `timeout` long enough for the longest work one rank does alone."""
+    global _COMM_DEVICE
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1 or (dist.is_available() and dist.is_initialized()):
         r, w = world()
         return r, w, device
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    if device.startswith("cuda"):
+    kw = {}
+    if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    dist.init_process_group(backend=backend)
+        kw["device_id"] = torch.device(device)
+    minutes = DEFAULT_TIMEOUT_MIN if timeout_min is None else float(timeout_min)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=minutes), **kw)
+    _COMM_DEVICE = backend_device(backend, device)
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over ranks, moved to the collective device and back to where it came from."""
+    if world()[1] == 1:
+        return t
+    home = t.device
+    x = t.to(comm_device())
+    dist.all_reduce(x)
+    return x.to(home)
+
+
 def all_reduce_mean(values: dict) -> dict:
-    """Average float metrics over ranks (no-op on one process)."""
+    """Average float metrics over ranks (no-op on one process): one collective for all of them."""
     r, w = world()
     if w == 1:
         return values
     keys = [k for k, v in values.items() if isinstance(v, float)]
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t)
     out = dict(values)
     out.update({k: float(v) / w for k, v in zip(keys, t.tolist())})
     return out
 
 
-def average_gradients(params) -> None:
-    """DDP-style mean of gradients over ranks (explicit, so accumulation and resume stay simple)."""
+def all_reduce_max(values: list[float]) -> list[float]:
+    """Element-wise maximum over ranks (peak memory, step times)."""
+    if world()[1] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_gather_floats(values: list[float]) -> list[float]:
+    """Every rank's `values`, concatenated in rank order (one value per rank: a per-rank figure)."""
+    if world()[1] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    out = [torch.empty_like(t) for _ in range(world()[1])]
+    dist.all_gather(out, t)
+    return torch.cat(out).tolist()
+
+
+BUCKET_BYTES = 64 * 2**20
+
+
+def average_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """DDP-style mean of gradients over ranks, in flat buckets of about `bucket_bytes` (one
+    collective per bucket, not one per parameter). Returns the number of collectives issued."""
     r, w = world()
-    if w == 1:
-        return
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(w)
+    grads = [p.grad for p in params if p.grad is not None]
+    if w == 1 or not grads:
+        return 0
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    buckets = []
+    for group in by_kind.values():
+        cur, size = [], 0
+        for g in group:
+            nbytes = g.numel() * g.element_size()
+            if cur and size + nbytes > bucket_bytes:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(g)
+            size += nbytes
+        buckets.append(cur)
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])  # [sum of numel] on the gradients' device
+        dist.all_reduce(flat)
+        flat.div_(w)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    calls = len(buckets)
+    return calls
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Clip the gradients to `max_norm` and return their total norm over all ranks' shards (under
+    FSDP2 a gradient is a DTensor shard: the norm of the whole, not of this rank's piece)."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    full = getattr(norm, "full_tensor", None)
+    if full is not None:  # a DTensor (Partial): the sum over shards
+        norm = full()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
 
 
 def barrier() -> None:
@@ -66,9 +166,9 @@ def barrier() -> None:
 # ------------------------------------------------------------------ FSDP2
 # Drafter parameters sharded over the ranks with torch's own FSDP2 (`fully_shard`): each decoder
 # layer is one unit, the root holds fc and the norms. Gradients are reduce-scattered (averaged)
-# by FSDP itself. Checkpoints stay in the single-process layout (full tensors, optimizer state
-# keyed by parameter index), gathered collectively and written by rank 0, so a run can resume
-# with or without sharding.
+# by FSDP itself, once per optimizer step (`gradient_sync`). Checkpoints stay in the
+# single-process layout (full tensors, optimizer state keyed by parameter index), gathered
+# collectively and written by rank 0, so a run can resume with or without sharding.
 
 def shard_drafter(drafter) -> None:
     from torch.distributed.fsdp import fully_shard
@@ -76,6 +176,14 @@ def shard_drafter(drafter) -> None:
     for layer in drafter.layers:
         fully_shard(layer)
     fully_shard(drafter)
+
+
+def gradient_sync(module, enabled: bool) -> None:
+    """FSDP2: whether the next backward reduce-scatters its gradients (only the last micro-batch
+    of an accumulated step needs to); a no-op for a module that is not sharded."""
+    fn = getattr(module, "set_requires_gradient_sync", None)
+    if fn is not None:
+        fn(enabled)
 
 
 def _param_names(module) -> list[str]:

@@ -63,45 +63,98 @@ class RestrictedLabels(NamedTuple):
     top: torch.Tensor
 
 
+class Labels(NamedTuple):
+    """The target's label logits once per distinct label position, and which of them each supervised
+    slot reads (overlapping blocks share positions). Slots pick their row inside each loss chunk,
+    so no [S, V] copy exists (DESIGN.md section 5, rule 3).
+
+    logits [P, V] (or [P, Vd], already restricted to the draft vocabulary: then `top`, the
+    full-vocabulary argmax [P], is required); index [S] row of `logits` per supervised slot."""
+
+    logits: torch.Tensor
+    index: torch.Tensor
+    top: torch.Tensor | None = None
+
+    def per_slot(self) -> torch.Tensor:
+        """[S, V] one row per supervised slot (tests and checks; training never builds it)."""
+        return self.logits[self.index]
+
+
+def as_labels(target_logits) -> Labels:
+    """Labels from any accepted form: [S, V] per-slot logits, RestrictedLabels or Labels."""
+    if isinstance(target_logits, Labels):
+        return target_logits
+    if isinstance(target_logits, RestrictedLabels):
+        n = target_logits.logits.shape[0]
+        return Labels(target_logits.logits, torch.arange(n, device=target_logits.logits.device), target_logits.top)
+    return Labels(target_logits, torch.arange(target_logits.shape[0], device=target_logits.device))
+
+
 def _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab):
-    """Slot weights [S], the target's argmax [S] (full vocabulary) and the label logits, restricted
-    to the draft vocabulary if any (hard loss: slots whose argmax lies outside get weight 0)."""
+    """Slot weights [S], the target's argmax [S] (full vocabulary), the label rows [P, V or Vd], the
+    slot -> row index [S], and whether the rows still need restricting to the draft vocabulary
+    (hard loss: slots whose argmax lies outside the draft vocabulary get weight 0)."""
     N, B = supervised.shape
     w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
-    if isinstance(target_logits, RestrictedLabels):
-        if draft_vocab is None or target_logits.logits.shape[-1] != len(draft_vocab):
+    lab = as_labels(target_logits)
+    restricted = lab.top is not None
+    if restricted:
+        if draft_vocab is None or lab.logits.shape[-1] != len(draft_vocab):
             raise ValueError("restricted labels need the draft vocabulary they were restricted to")
-        target_top, labels = target_logits.top, target_logits.logits
+        top_rows = lab.top
     else:
-        target_top = target_logits.argmax(-1)
-        labels = target_logits if draft_vocab is None else target_logits[:, draft_vocab]
+        top_rows = lab.logits.argmax(-1)  # [P]
+    target_top = top_rows[lab.index]  # [S]
     if draft_vocab is not None and kind == "hard":
         w = w * torch.isin(target_top, draft_vocab)
-    return w, target_top, labels
+    return w, target_top, lab.logits, lab.index, draft_vocab is not None and not restricted
 
 
-def _metrics(loss: torch.Tensor, hit: torch.Tensor, supervised: torch.Tensor) -> dict:
-    """Per-slot accuracy and exact accepted lengths from the per-slot hits [S]."""
+def _metrics(loss: torch.Tensor, hit: torch.Tensor, supervised: torch.Tensor, sync: bool = True) -> dict:
+    """Per-slot accuracy and exact accepted lengths from the per-slot hits [S].
+
+    Read back to the host in one transfer (`sync`); with sync=False the figures stay on the device
+    as sums (`totals`), for a caller that adds them up over batches or ranks first."""
     N, B = supervised.shape
     with torch.no_grad():
         match = torch.zeros(N, B, dtype=torch.bool, device=supervised.device)
         match[supervised] = hit
-        acc_len = accepted_lengths(match)
-        n_sup = supervised.sum(0).clamp(min=1)
-        slot_acc = (match.sum(0).float() / n_sup.float()).tolist()
-        slot_acc = [a if supervised[:, k].any() else math.nan for k, a in enumerate(slot_acc)]
-    return {"loss": float(loss.detach()), "tau": float(acc_len.float().mean()), "accuracy": float(hit.float().mean()),
-            "slot_accuracy": slot_acc, "slot_counts": supervised.sum(0).tolist(),
-            "accepted_lengths": acc_len.tolist(), "supervised_slots": int(supervised.sum()), "blocks": N}
+        acc_len = accepted_lengths(match)  # [N]
+        counts = supervised.sum(0)  # [B]
+        slot_hits = match.sum(0)  # [B]
+        S = counts.sum()
+        f = torch.float64
+        n_blocks = torch.tensor(float(N), dtype=f, device=supervised.device)
+        head = torch.stack([n_blocks, acc_len.sum().to(f), loss.detach().to(f) * S, S.to(f)])
+        totals = {"blocks_lengths_loss_slots": head, "slot_hits": slot_hits.to(f), "slot_counts": counts.to(f)}
+        if not sync:
+            return {"loss": loss.detach(), "totals": totals}
+        packed = torch.cat([loss.detach().to(f)[None], hit.to(f).mean()[None], slot_hits.to(f), counts.to(f),
+                            acc_len.to(f)]).tolist()  # the one host read of a step's metrics
+    loss_v, accuracy = packed[0], packed[1]
+    hits_v, counts_v, lengths = packed[2:2 + B], packed[2 + B:2 + 2 * B], packed[2 + 2 * B:]
+    slot_acc = [h / c if c else math.nan for h, c in zip(hits_v, counts_v)]
+    return {"loss": loss_v, "tau": sum(lengths) / len(lengths), "accuracy": accuracy,
+            "slot_accuracy": slot_acc, "slot_counts": [int(c) for c in counts_v],
+            "accepted_lengths": [int(x) for x in lengths], "supervised_slots": int(sum(counts_v)), "blocks": N,
+            "totals": totals}
 
 
-def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervised: torch.Tensor, *,
-                gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """draft logits [S, Vd] and target logits [S, V] for the supervised slots of `supervised`
-    [N, B] (row-major order). With a draft vocabulary (ids [Vd]), the loss compares the draft
-    with the target restricted to those ids (hard: slots whose target argmax lies outside are
-    left out of the loss), while the metrics compare draft and target argmax in the full
-    vocabulary, so a token the drafter cannot propose counts as a miss.
+def _slot_labels(logits: torch.Tensor, index: torch.Tensor, draft_vocab, restrict: bool) -> torch.Tensor:
+    """The label rows of some slots [s, V'], gathered now (inside a loss chunk)."""
+    t = logits[index]
+    return t[:, draft_vocab] if restrict else t
+
+
+def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Tensor, *,
+                gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None,
+                sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+    """draft logits [S, Vd] and the target's label logits for the supervised slots of `supervised`
+    [N, B] (row-major order): [S, V] per slot, or `Labels` (distinct rows + index). With a draft
+    vocabulary (ids [Vd]), the loss compares the draft with the target restricted to those ids
+    (hard: slots whose target argmax lies outside are left out of the loss), while the metrics
+    compare draft and target argmax in the full vocabulary, so a token the drafter cannot propose
+    counts as a miss.
 
     Returns the scalar loss and metrics: per-slot accuracy, mean accepted length (tau) and
     the per-block accepted lengths.
@@ -111,44 +164,46 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, supervi
     if S == 0:
         raise ValueError("no supervised slot in this batch: the loss mask is empty or every block "
                          "ends at its document's end; check the data's loss_mask")
-    n_labels = (target_logits.logits if isinstance(target_logits, RestrictedLabels) else target_logits).shape[0]
+    n_labels = as_labels(target_logits).index.shape[0]
     if draft_logits.shape[0] != S or n_labels != S:
         raise ValueError(f"expected logits for {S} supervised slots, got {draft_logits.shape[0]} and {n_labels}")
-    w, target_top, target_logits = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
+    w, target_top, logits, index, restrict = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
     draft_top = draft_logits.argmax(-1)
     if draft_vocab is not None:
         draft_top = draft_vocab[draft_top]
-    per = slot_losses(draft_logits, target_logits, kind)  # [S]
+    per = slot_losses(draft_logits, _slot_labels(logits, index, draft_vocab, restrict), kind)  # [S]
     loss = (w * per).sum() / w.sum().clamp(min=1e-12)
-    return loss, _metrics(loss, draft_top == target_top, supervised)
+    return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)
 
 
-def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits: torch.Tensor, supervised: torch.Tensor, *,
+def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,
                         gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None,
-                        chunk: int = 256) -> tuple[torch.Tensor, dict]:
+                        chunk: int = 256, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
-    never holding the [S, Vd] draft logits: each chunk of slots is recomputed in backward.
+    never holding the [S, Vd] draft logits nor an [S, V] copy of the labels: each chunk of slots
+    gathers its label rows and computes its logits inside a checkpoint, recomputed in backward.
     Same value and gradient as `dflash_loss(head(hidden), ...)`; peak memory one chunk."""
     from torch.utils.checkpoint import checkpoint
 
-    N, B = supervised.shape
-    S = int(supervised.sum())
-    if S == 0 or hidden.shape[0] != S:
-        return dflash_loss(head(hidden), target_logits, supervised, gamma=gamma, kind=kind, draft_vocab=draft_vocab)
-    w, target_top, target_logits = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
+    S = hidden.shape[0]
+    if S == 0 or as_labels(target_logits).index.shape[0] != S:
+        return dflash_loss(head(hidden), target_logits, supervised, gamma=gamma, kind=kind, draft_vocab=draft_vocab,
+                           sync_metrics=sync_metrics)
+    w, target_top, logits, index, restrict = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
 
-    def part(h, t, wc):
-        logits = head(h)
-        return (wc * slot_losses(logits, t, kind)).sum(), logits.argmax(-1)
+    def part(h, idx, wc):
+        t = _slot_labels(logits, idx, draft_vocab, restrict)  # [chunk, V'] made here, freed after
+        draft = head(h)  # [chunk, Vd]
+        return (wc * slot_losses(draft, t, kind)).sum(), draft.argmax(-1)
 
-    total, tops = hidden.new_zeros(()), []
+    total, tops = hidden.new_zeros((), dtype=torch.float32), []
     for i in range(0, S, chunk):
         sl = slice(i, i + chunk)
-        part_sum, top = checkpoint(part, hidden[sl], target_logits[sl], w[sl], use_reentrant=False)
+        part_sum, top = checkpoint(part, hidden[sl], index[sl], w[sl], use_reentrant=False)
         total = total + part_sum
         tops.append(top)
     loss = total / w.sum().clamp(min=1e-12)
     draft_top = torch.cat(tops)
     if draft_vocab is not None:
         draft_top = draft_vocab[draft_top]
-    return loss, _metrics(loss, draft_top == target_top, supervised)
+    return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)

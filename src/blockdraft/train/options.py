@@ -41,6 +41,11 @@ class TrainConfig:
     log_every: int = opt(1, "metrics.jsonl line every N steps", hidden=True)
     eval_anchors: int = opt(256, "anchors per held-out row", hidden=True)
     backend: str = opt("auto", "attention backend", hidden=True)
+    row_shards: int | None = opt(None, "fixed parts the training rows are split into, micro-batch g reading part "
+                                       "g % row_shards (default: one per rank, so a rank's stored outputs hold "
+                                       "its part only)", hidden=True)
+    dist_timeout_min: float = opt(60.0, "under torchrun: minutes a collective waits for a rank working alone "
+                                        "(writing a checkpoint, compiling) before the run is stopped")
 
     def validate(self) -> None:
         if self.lr <= 0 or self.grad_accum < 1 or self.batch_tokens < 1 or self.max_anchors < 1:
@@ -49,6 +54,10 @@ class TrainConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.steps is None and self.epochs <= 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.row_shards is not None and self.row_shards < 1:
+            raise ValueError(f"row_shards must be >= 1, got {self.row_shards}")
+        if self.dist_timeout_min <= 0:
+            raise ValueError(f"--dist-timeout-min must be > 0, got {self.dist_timeout_min}")
         if self.eval_every < 1 or self.save_every < 1:
             raise ValueError("--eval-every and --save-every must be >= 1")
 

@@ -74,7 +74,7 @@ def check_resume(out: str | Path, resume: bool) -> None:
 
 def cached_rows(opts: DataOptions, target, seed: int):
     """Rows and stored outputs from a `blockdraft extract` directory, split by row for held-out eval."""
-    from ..data.features import DiskFeatures, cache_identity
+    from ..data.features import CacheView, DiskFeatures, cache_identity
 
     cache = DiskFeatures(opts.features_cache, expect=cache_identity(target, opts.max_length, torch.float32))
     R = cache.rows["input_ids"].shape[0]
@@ -83,7 +83,7 @@ def cached_rows(opts: DataOptions, target, seed: int):
     ev, tr = order[:n_eval], order[n_eval:]
 
     def part(idx):
-        return {k: v[idx] for k, v in cache.rows.items()}, (lambda i: cache(idx[i]))
+        return {k: v[idx] for k, v in cache.rows.items()}, CacheView(cache, idx)
 
     (train_rows, train_f), (eval_rows, eval_f) = part(tr), part(ev)
     return train_rows, (eval_rows if n_eval else None), train_f, (eval_f if n_eval else None)
@@ -127,7 +127,7 @@ def run_training(cfg: RunConfig) -> dict:
     tc.validate()
     check_resume(tc.out, tc.resume)
     torch.manual_seed(tc.seed)  # the same initial drafter on every rank
-    rank, world_size, device = init_from_env(pick_device(cfg.target.device))
+    rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min)
     target = load_target(cfg, device)
     train_rows, eval_rows, feats = training_data(cfg, target)
     if cfg.drafter.init_drafter:

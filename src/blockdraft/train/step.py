@@ -17,7 +17,7 @@ from ..model.attention import BlockLayout
 from ..model.blocks import block_input_ids, label_positions, supervised_slots
 from ..model.masks import document_starts
 from .anchors import sample_anchors
-from .loss import RestrictedLabels, default_gamma, dflash_loss_chunked
+from .loss import Labels, default_gamma, dflash_loss_chunked
 from .options import DEFAULTS
 
 
@@ -93,8 +93,8 @@ class Prepared:
 
     anchors: torch.Tensor  # [N] sorted flat anchor positions
     supervised: torch.Tensor  # [N, B] bool
-    target_logits: torch.Tensor  # [S, V] the target's own logits at a + k - 1 for supervised (j, k)
-    # (or RestrictedLabels: those logits on the draft vocabulary + the full-vocabulary argmax)
+    target_logits: Labels  # the target's own logits at a + k - 1 for supervised (j, k): [P, V] rows at the
+    # distinct label positions + the row of each slot (or [P, Vd] on the draft vocabulary + the full argmax)
     features: torch.Tensor  # [Bz*T, F*Ht]
     block_embeds: torch.Tensor  # [N, B, Hd]
     layout: BlockLayout
@@ -118,41 +118,48 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
     if not bool(batch.loss_mask.any()):
         raise ValueError("the loss mask is empty: no token to learn in this batch")
     dev = target.device
-    flat = flatten(batch)
-    flat = Flat(*(t.to(dev) for t in (flat.input_ids, flat.loss_mask, flat.position_ids, flat.document_ids)))
-    if anchors is None:
-        anchors = sample_batch_anchors(batch, flat, B, max_anchors, generator)
-    anchors = anchors.to(dev)
+    # the index bookkeeping (anchors, supervised slots, label positions) is done on the host, from
+    # the host's copy of the batch: no device round trip per row or per slot
+    host = flatten(batch)
+    host = Flat(*(t.cpu() for t in (host.input_ids, host.loss_mask, host.position_ids, host.document_ids)))
+    anchors = (sample_batch_anchors(batch, host, B, max_anchors, generator) if anchors is None
+               else anchors.cpu())
     if anchors.numel() == 0:
         raise ValueError("no position can anchor a block: every loss-mask run is shorter than 2 tokens "
                          "inside its document")
-    sup = supervised_slots(flat.document_ids, flat.loss_mask, anchors, B)  # [N, B]
+    sup = supervised_slots(host.document_ids, host.loss_mask, anchors, B)  # [N, B]
     lpos = label_positions(anchors, B)[sup]  # [S] flat positions whose logits are the labels
-    keep = torch.zeros(Bz * T, dtype=torch.bool, device=dev)
+    keep = torch.zeros(Bz * T, dtype=torch.bool)
     keep[lpos] = True
     # overlapping blocks share label positions: the head runs once per distinct position
     row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row among the kept positions
+    index = row_of[lpos]  # [S] each supervised slot's row among them
+    flat = Flat(*(t.to(dev) for t in (host.input_ids, host.loss_mask, host.position_ids, host.document_ids)))
+    anchors_d, sup_d, keep_d, index_d = (t.to(dev) for t in (anchors, sup, keep, index))
     if cached is None:
-        out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep.view(Bz, T))
-        labels, feats = out.logits[row_of[lpos]], out.features.reshape(Bz * T, -1)
+        out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep_d.view(Bz, T))
+        labels, feats = Labels(out.logits, index_d), out.features.reshape(Bz * T, -1)  # logits [P, V]
     else:
         rows = drafter.vocab_rows
         with torch.no_grad():
-            hidden = cached.final_hidden.to(dev).reshape(Bz * T, -1)[keep].to(target.dtype)
+            hidden = cached.final_hidden.to(dev, non_blocking=True).reshape(Bz * T, -1)[keep_d].to(target.dtype)
             if cached.top is not None and rows is not None:  # the full-vocabulary argmax is known: draft rows only
-                top = cached.top.to(dev).reshape(Bz * T)[lpos]
-                labels = RestrictedLabels(target.head(hidden, rows)[row_of[lpos]], top)
+                top = cached.top.reshape(Bz * T)[keep].to(dev)  # [P]
+                labels = Labels(target.head(hidden, rows), index_d, top)  # [P, Vd]
             else:
-                labels = target.head(hidden)[row_of[lpos]]
-        feats = cached.features.to(dev).reshape(Bz * T, -1)
-    embeds = target.embed(block_input_ids(flat.input_ids, anchors, B, drafter.mask_token_id))  # [N, B, Hd]
-    return Prepared(anchors, sup, labels, feats, embeds, BlockLayout(flat.document_ids, flat.position_ids, anchors, B))
+                labels = Labels(target.head(hidden), index_d)  # [P, V]
+        feats = cached.features.to(dev, non_blocking=True).reshape(Bz * T, -1)
+    embeds = target.embed(block_input_ids(flat.input_ids, anchors_d, B, drafter.mask_token_id))  # [N, B, Hd]
+    layout = BlockLayout(flat.document_ids, flat.position_ids, anchors_d, B, host_document_ids=host.document_ids,
+                         host_anchors=anchors)
+    return Prepared(anchors_d, sup_d, labels, feats, embeds, layout)
 
 
 def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
                  gamma: float | None = DEFAULTS.gamma, loss: str = DEFAULTS.loss, generator: torch.Generator | None = None,
-                 backend: str = "auto", anchors: torch.Tensor | None = None, cached=None) -> tuple[torch.Tensor, dict]:
-    """Loss and metrics of one batch (clause 7)."""
+                 backend: str = "auto", anchors: torch.Tensor | None = None, cached=None,
+                 sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+    """Loss and metrics of one batch (clause 7); `sync_metrics=False` leaves them on the device as sums."""
     p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors,
                 cached=cached)
     dt = drafter.fc.weight.dtype
@@ -161,7 +168,8 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     g = default_gamma(drafter.block_size) if gamma is None else gamma
     # the [S, Vd] draft logits are made one chunk of slots at a time (and again in backward)
     return dflash_loss_chunked(hidden[p.supervised], lambda h: target.head(h.to(target.dtype), rows),
-                               p.target_logits, p.supervised, gamma=g, kind=loss, draft_vocab=rows)
+                               p.target_logits, p.supervised, gamma=g, kind=loss, draft_vocab=rows,
+                               sync_metrics=sync_metrics)
 
 
 def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:
@@ -171,6 +179,8 @@ def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | N
     loss, metrics = compute_loss(target, drafter, batch, **kw)
     loss.backward()
     if grad_clip:
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip))
+        from .distributed import clip_grad_norm
+
+        metrics["grad_norm"] = clip_grad_norm(drafter.parameters(), grad_clip)
     optimizer.step()
     return metrics

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 
 from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
-from .distributed import all_reduce_mean, average_gradients, barrier, world
+from .distributed import (all_gather_floats, all_reduce_mean, all_reduce_sum, average_gradients, barrier,
+                          clip_grad_norm, gradient_sync, world)
 from .state import load_state, save_state
 from .options import TrainConfig
 from .step import Batch, compute_loss
@@ -48,32 +50,74 @@ def rows_per_batch(cfg: TrainConfig, train_rows: dict) -> int:
     return max(1, cfg.batch_tokens // train_rows["input_ids"].shape[1])
 
 
-@torch.no_grad()
-def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int, features=None) -> dict:
-    """Held-out loss, exact mean accepted length (tau) and per-slot accuracy, with fixed anchors."""
-    drafter.eval()
-    gen = torch.Generator().manual_seed(12345)
-    lengths, losses, hits, counts = [], [], None, None
+def autocast_for(device: torch.device | str):
+    """The precision training runs at, and evaluation with it: bf16 autocast on CUDA, none elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def usable_rows(rows: dict, idx: torch.Tensor, block_size: int) -> bool:
+    """Whether these rows can give a block to learn (a loss-mask token with a supervised slot after
+    it in its document), checked on the host before anything runs."""
+    from .anchors import eligible_anchors
+
+    for r in idx.tolist():
+        if eligible_anchors(rows["document_ids"][r], rows["loss_mask"][r], block_size).any():
+            return True
+    return False
+
+
+def eval_batches(rows: dict, rows_per_batch: int, block_size: int) -> list[torch.Tensor]:
+    """The held-out micro-batches (row indices) that have something to learn."""
     R = rows["input_ids"].shape[0]
-    for s in range(0, R, rows_per_batch):
-        idx = torch.arange(s, min(R, s + rows_per_batch))
-        b = rows_batch(rows, idx)
-        try:
-            loss, m = compute_loss(target, drafter, b, max_anchors=cfg.eval_anchors, gamma=cfg.gamma, loss=cfg.loss,
-                                   generator=gen, backend=cfg.backend, cached=features(idx) if features else None)
-        except ValueError:
-            continue  # a held-out row with nothing to learn
-        lengths += m["accepted_lengths"]
-        losses.append(float(loss) * m["supervised_slots"])
-        acc = torch.tensor([0.0 if math.isnan(a) else a for a in m["slot_accuracy"]])
-        n = torch.tensor(m["slot_counts"], dtype=torch.float)
-        hits = acc * n if hits is None else hits + acc * n
-        counts = n if counts is None else counts + n
+    out = [torch.arange(s, min(R, s + rows_per_batch)) for s in range(0, R, rows_per_batch)]
+    return [idx for idx in out if usable_rows(rows, idx, block_size)]
+
+
+@torch.no_grad()
+def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int, features=None, *,
+             collective_forward: bool = False) -> dict:
+    """Held-out loss, exact mean accepted length (tau) and per-slot accuracy, with fixed anchors
+    (batch k's from seed 12345 + k), at training's precision.
+
+    Under torch.distributed every rank evaluates its share of the batches (k = rank, rank + W, ...)
+    and one collective sums the results: the same figures as one process, none of the ranks
+    working alone. `collective_forward` (a sharded drafter, whose forward is itself a collective):
+    every rank runs the same number of forwards, the last ones repeated and not counted."""
+    rank, W = world()
+    B = drafter.block_size
+    batches = eval_batches(rows, rows_per_batch, B)
+    mine = list(range(rank, len(batches), W))
+    n_runs = math.ceil(len(batches) / W) if collective_forward else len(mine)
+    drafter.eval()
+    dev = target.device
+    acc = torch.zeros(4 + 2 * B, dtype=torch.float64, device=dev)  # blocks, sum of lengths, loss sum, slots, hits [B], counts [B]
+    with autocast_for(dev):
+        for i in range(n_runs):
+            if not mine:
+                if not batches:
+                    break
+                k, count = 0, False  # this rank has no batch: run one only for the collective's sake
+            else:
+                k, count = (mine[i], True) if i < len(mine) else (mine[-1], False)
+            idx = batches[k]
+            loss, m = compute_loss(target, drafter, rows_batch(rows, idx), max_anchors=cfg.eval_anchors, gamma=cfg.gamma,
+                                   loss=cfg.loss, generator=torch.Generator().manual_seed(12345 + k),
+                                   backend=cfg.backend, cached=features(idx) if features else None,
+                                   sync_metrics=False)
+            if count:
+                t = m["totals"]
+                acc += torch.cat([t["blocks_lengths_loss_slots"], t["slot_hits"], t["slot_counts"]]).to(acc)
     drafter.train()
-    if not lengths:
+    acc = all_reduce_sum(acc).tolist()
+    blocks, lengths, loss_sum, slots = acc[:4]
+    hits, counts = acc[4:4 + B], acc[4 + B:]
+    if not blocks:
         return {}
-    return {"eval_tau": sum(lengths) / len(lengths), "eval_loss": sum(losses) / float(counts.sum()),
-            "eval_slot_accuracy": (hits / counts.clamp(min=1)).tolist(), "eval_blocks": len(lengths)}
+    return {"eval_tau": lengths / blocks, "eval_loss": loss_sum / slots,
+            "eval_slot_accuracy": [h / max(c, 1.0) for h, c in zip(hits, counts)], "eval_blocks": int(blocks)}
 
 
 class Trainer:
@@ -100,7 +144,13 @@ class Trainer:
         self.opt = self._optimizer()
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
         self.saved_step = 0  # the step of the last complete checkpoint (0: none yet)
-        self._order: tuple[int, torch.Tensor | None] = (-1, None)
+        # the rows are split into `row_shards` fixed parts (default: one per rank), and rank r draws
+        # only from part r: a rank's stored target outputs (the memo) hold its part, not every row
+        self.row_shards = cfg.row_shards or self.world
+        if self.row_shards > R:
+            raise ValueError(f"{R} training rows cannot feed {self.row_shards} ranks; use more data or fewer ranks")
+        self._order: dict[int, tuple[int, torch.Tensor]] = {}
+        self._prefetch = None  # a feature cache is read one micro-batch ahead (prefetch.Prefetcher)
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
 
     def gamma(self) -> float | None:
@@ -165,20 +215,46 @@ class Trainer:
         """Anchors of micro-batch g come from their own seed: the same on any world size and after resume."""
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + g)
 
-    def batch_indices(self, step: int, micro: int) -> torch.Tensor:
-        """Rows of micro-batch `micro` of optimizer step `step` on this rank: a fixed permutation per epoch."""
-        R = self.train_rows["input_ids"].shape[0]
-        k = self.global_micro(step, micro) * self.rows_per_batch
-        epoch, start = divmod(k, R)
-        return self.epoch_order(epoch)[start:start + self.rows_per_batch]
+    def shard_rows(self, shard: int) -> torch.Tensor:
+        """The training rows of one part: every `row_shards`-th row from `shard` on."""
+        return torch.arange(shard, self.train_rows["input_ids"].shape[0], self.row_shards)
 
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The row permutation of an epoch, derived from (seed, epoch) and kept for the epoch."""
-        if self._order[0] != epoch:
-            R = self.train_rows["input_ids"].shape[0]
-            gen = torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch)
-            self._order = (epoch, torch.randperm(R, generator=gen))
-        return self._order[1]
+    def batch_indices(self, step: int, micro: int) -> torch.Tensor:
+        """Rows of micro-batch `micro` of optimizer step `step` on this rank: micro-batch g of the run
+        reads part g % row_shards, in a fixed permutation of that part per epoch (one part: a
+        permutation of all rows, as before parts existed)."""
+        g = self.global_micro(step, micro)
+        shard, local = g % self.row_shards, g // self.row_shards
+        rows = self.shard_rows(shard)
+        epoch, start = divmod(local * self.rows_per_batch, rows.numel())
+        return rows[self.epoch_order(epoch, shard)[start:start + self.rows_per_batch]]
+
+    def epoch_order(self, epoch: int, shard: int = 0) -> torch.Tensor:
+        """The permutation of a part's rows in an epoch, derived from (seed, epoch, part) and kept."""
+        kept = self._order.get(shard)
+        if kept is None or kept[0] != epoch:
+            n = self.shard_rows(shard).numel()
+            gen = torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch + 7919 * shard)
+            kept = self._order[shard] = (epoch, torch.randperm(n, generator=gen))
+        return kept[1]
+
+    def micro_batch(self, step: int, micro: int):
+        """(row indices, stored target outputs or None) of a micro-batch; a feature cache on disk is
+        read one micro-batch ahead on a background thread while this one trains."""
+        idx = self.batch_indices(step, micro)
+        if self.train_features is None:
+            return idx, None
+        if not getattr(self.train_features, "prefetch", False):
+            return idx, self.train_features(idx)
+        from ..data.prefetch import Prefetcher
+
+        if self._prefetch is None:
+            self._prefetch = Prefetcher(self.train_features, pin=self.target.device.type == "cuda")
+        nxt = (step, micro + 1) if micro + 1 < self.cfg.grad_accum else (step + 1, 0)
+        got = self._prefetch.get(idx)
+        if nxt[0] < self.total:
+            self._prefetch.ask(self.batch_indices(*nxt))
+        return idx, got
 
     # --------------------------------------------------------------- checkpoints
     @property
@@ -215,13 +291,19 @@ class Trainer:
         barrier()  # every rank reads the checkpoint rank 0 finished writing
         self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt)
         self.saved_step = self.progress["step"]
-        self._truncate_metrics(self.progress["step"])
+        if self.rank == 0:  # one writer (DESIGN.md section 5, rule 5); the others wait below
+            self._truncate_metrics(self.progress["step"])
+        barrier()
 
     def _truncate_metrics(self, step: int) -> None:
+        """Drop the lines of steps after the checkpoint, atomically: a reader sees the old file or
+        the new one, never a half-written one."""
         path = self.out / "metrics.jsonl"
         if path.exists():
             keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            path.write_text("".join(ln + "\n" for ln in keep))
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            os.replace(tmp, path)
 
     def log(self, record: dict) -> None:
         if self.rank != 0:
@@ -232,6 +314,7 @@ class Trainer:
     # ---------------------------------------------------------------------- loop
     def step(self) -> dict:
         cfg, s = self.cfg, self.progress["step"]
+        t_start = time.perf_counter()
         lr = lr_at(s, self.total, cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -239,28 +322,35 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         agg: dict = {"loss": 0.0, "tau": 0.0, "accuracy": 0.0}
         gamma = self.gamma()
-        amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.target.device.type == "cuda" else nullcontext())
+        dev, tokens = self.target.device, 0
         for micro in range(cfg.grad_accum):
-            idx = self.batch_indices(s, micro)
+            idx, cached = self.micro_batch(s, micro)
             b = rows_batch(self.train_rows, idx)
-            cached = self.train_features(idx) if self.train_features else None
             gen = self.anchor_generator(self.global_micro(s, micro))
-            with amp:
+            if self.fsdp:  # reduce-scatter the gradients once, after the step's last micro-batch
+                gradient_sync(self.drafter, micro == cfg.grad_accum - 1)
+            with autocast_for(dev):
                 loss, m = compute_loss(self.target, self.drafter, b, max_anchors=cfg.max_anchors, gamma=gamma,
                                        loss=cfg.loss, generator=gen, backend=cfg.backend, cached=cached)
             (loss / cfg.grad_accum).backward()
             for k in agg:
                 agg[k] += m[k] / cfg.grad_accum
-            self.progress["tokens"] += int(b.input_ids.numel()) * self.world
+            tokens += int(b.input_ids.numel()) * self.world
+        self.progress["tokens"] += tokens
         if not self.fsdp:  # FSDP has already reduce-scattered (averaged) the gradients
             average_gradients(self.drafter.parameters())
         agg = all_reduce_mean(agg)
-        agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
+        agg["grad_norm"] = clip_grad_norm(self.drafter.parameters(), cfg.grad_clip)
         self.opt.step()
         self.progress["step"] = s + 1
         # the training acceptance, smoothed (gamma_schedule "acceptance" follows it; saved, so resume is exact)
         self.progress["tau_ema"] = 0.9 * self.progress.get("tau_ema", agg["tau"]) + 0.1 * agg["tau"]
-        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], gamma=gamma)
+        step_s = time.perf_counter() - t_start  # the loss's host read above waited for the device
+        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], gamma=gamma, step_s=step_s,
+                   tokens_per_s=tokens / step_s)
+        if dev.type == "cuda":  # this step's peak on every rank, in GiB
+            agg["peak_mem_gib"] = all_gather_floats([torch.cuda.max_memory_allocated(dev) / 2**30])
+            torch.cuda.reset_peak_memory_stats(dev)
         return agg
 
     def train(self, resume: bool = False) -> dict:
@@ -291,12 +381,12 @@ class Trainer:
             self.progress["elapsed"] = time.time() - t0
             m["elapsed"] = self.progress["elapsed"]
             step = self.progress["step"]
-            # a sharded drafter's forward is a collective: every rank evaluates, rank 0 logs
-            if (lead or self.fsdp) and self.eval_rows is not None and (step % self.cfg.eval_every == 0
+            # every rank evaluates its share of the held-out rows; rank 0 logs
+            if self.eval_rows is not None and (step % self.cfg.eval_every == 0
                                                                         or step == self.total):
                 bar.set_description("train (evaluating)")
                 last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch,
-                                     self.eval_features)
+                                     self.eval_features, collective_forward=self.fsdp)
                 bar.set_description("train")
                 m.update(last_eval)
             if step % self.cfg.log_every == 0 or "eval_tau" in m:
@@ -307,6 +397,8 @@ class Trainer:
             if step % self.cfg.save_every == 0 or step == self.total or step == 1:  # the first one early
                 self.save()
         bar.close()
+        if self._prefetch is not None:
+            self._prefetch.close()
         final = self.plain_drafter()
         if lead:
             try:
