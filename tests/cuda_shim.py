@@ -51,6 +51,10 @@ class CudaPlacement(TorchFunctionMode):
         return ref is not None and ref() is t
 
     def _tag(self, out, host: bool) -> None:
+        if isinstance(out, (tuple, list)):  # torch.return_types (sort, max, ...) are tuples too
+            for o in out:
+                self._tag(o, host)
+            return
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 if host:
@@ -93,6 +97,8 @@ class CudaPlacement(TorchFunctionMode):
                 host = any_host if name == "to" else name == "pin_memory" or any_host
             else:
                 host = dev == "host" or _is_host_device(dev)
+                if not host and out is args[0] and self.is_host(out):
+                    out = out.clone()  # a move to the device makes a new tensor there; the host one stays
         elif name in ("__get__",) and args and isinstance(args[0], torch.Tensor):
             host = any_host
         else:

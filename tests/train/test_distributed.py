@@ -24,7 +24,7 @@ from blockdraft.train.trainer import TrainConfig, Trainer
 EVAL_ROWS = 5  # an odd count: one rank evaluates more batches than the other
 
 
-def build(out, grad_accum, fsdp=False, row_shards=None):
+def build(out, grad_accum, fsdp=False, row_shards=None, memo=False, steps=5):
     from conftest import tiny_target
     from conftest import tiny_rows
 
@@ -34,9 +34,15 @@ def build(out, grad_accum, fsdp=False, row_shards=None):
         t.model.get_output_embeddings().weight.mul_(20)
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
-    cfg = TrainConfig(out=str(out), steps=5, batch_tokens=40, max_anchors=8, eval_every=2, save_every=2,
+    cfg = TrainConfig(out=str(out), steps=steps, batch_tokens=40, max_anchors=8, eval_every=2, save_every=2,
                       lr=3e-3, warmup=1, grad_accum=grad_accum, progress=False, fsdp=fsdp, row_shards=row_shards)
-    return Trainer(t, d, tiny_rows(16), tiny_rows(EVAL_ROWS, seed=1), cfg)
+    train, held_out = tiny_rows(16), tiny_rows(EVAL_ROWS, seed=1)
+    if memo:  # the target's outputs kept after their first use
+        from blockdraft.data.features import FeatureMemo
+
+        return Trainer(t, d, train, held_out, cfg, train_features=FeatureMemo(t, train),
+                       eval_features=FeatureMemo(t, held_out))
+    return Trainer(t, d, train, held_out, cfg)
 
 
 class Stop(Exception):
@@ -63,7 +69,7 @@ def slow_metrics_rewrites(rank):
     pathlib.Path.write_text, pathlib.Path.read_text = write_text, read_text
 
 
-def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resume=False):
+def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resume=False, memo=False, steps=5):
     """One rank of a run under the strict shim; writes what the shim saw to out/shim-{rank}-{phase}.json."""
     from cuda_shim import strict_collectives
 
@@ -89,7 +95,7 @@ def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resum
         slow_metrics_rewrites(rank)
     placement, coll = strict_collectives()
     try:
-        tr = build(out, grad_accum=grad_accum, fsdp=fsdp)
+        tr = build(out, grad_accum=grad_accum, fsdp=fsdp, memo=memo, steps=steps)
         if stop_after:  # a kill after `stop_after` steps, on every rank
             real = tr.step
 
@@ -106,8 +112,9 @@ def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resum
     finally:
         dist.destroy_process_group()
     phase = "resume" if resume else "first"
+    kept = {k: sorted(getattr(f, "store", {})) for k, f in (("train", tr.train_features), ("eval", tr.eval_features))}
     (out / f"shim-{rank}-{phase}.json").write_text(json.dumps(
-        {"violations": coll.violations, "calls": coll.calls, "evals": evals}))
+        {"violations": coll.violations, "calls": coll.calls, "evals": evals, "memo": kept}))
 
 
 def shim(out, rank, phase="first"):
@@ -225,6 +232,21 @@ def test_fsdp_two_processes_match_one_process_and_resume_exactly(tmp_path):
     d1, d2 = load_drafter(tmp_path / "one" / "drafter"), load_drafter(tmp_path / "two" / "drafter")
     for (n, p1), p2 in zip(d1.state_dict().items(), d2.state_dict().values()):
         torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_each_rank_keeps_the_target_outputs_of_its_own_rows_only(tmp_path):
+    """With the memo, rank r computes and keeps only the training rows of its part (every 2nd row
+    from r) and the held-out rows it evaluates, over several epochs; training is one process's."""
+    one = build(tmp_path / "one", grad_accum=2, row_shards=2, memo=True, steps=12)  # 1.5 epochs of the 16 rows
+    one.train()
+    spawn(2, tmp_path / "two", 1, False, 0, False, True, 12)
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-5, abs=1e-6)
+    for r in range(2):
+        kept = shim(tmp_path / "two", r)["memo"]
+        assert kept["train"] == list(range(r, 16, 2)), kept
+        assert kept["eval"] == list(range(r, EVAL_ROWS, 2)), kept
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

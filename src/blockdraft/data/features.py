@@ -60,6 +60,12 @@ class FeatureMemo:
         self.target, self.rows = target, rows
         self.store: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
+    def compute(self, idx: torch.Tensor) -> StoredOutputs:
+        """The outputs of `idx`, from the store where kept, else computed and not kept."""
+        if all(i in self.store for i in idx.tolist()):
+            return self(idx)
+        return target_outputs(self.target, self.rows, idx)
+
     def __call__(self, idx: torch.Tensor) -> StoredOutputs:
         missing = [i for i in idx.tolist() if i not in self.store]
         if missing:

@@ -34,7 +34,7 @@ def sample_anchors(document_ids: torch.Tensor, loss_mask: torch.Tensor, block_si
     ok = eligible_anchors(document_ids, loss_mask, block_size).cpu()
     cand = ok.nonzero().flatten()
     if cand.numel() <= max_anchors:
-        return cand.to(document_ids.device)
+        return _home(cand, document_ids)
     docs = document_ids.cpu()[cand]
     # random rank inside each document, then take ranks 0, 1, 2, ... across all documents
     perm = torch.randperm(cand.numel(), generator=generator)
@@ -46,4 +46,9 @@ def sample_anchors(document_ids: torch.Tensor, loss_mask: torch.Tensor, block_si
     tie = torch.rand(rank.numel(), generator=generator)
     pick = torch.argsort(rank.double() + tie.double() * 0.5)[:max_anchors]
     chosen = cand[perm[order[pick]]]
-    return torch.sort(chosen).values.to(document_ids.device)
+    return _home(torch.sort(chosen).values, document_ids)
+
+
+def _home(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` on `like`'s device (the host work above ran on the CPU); no move when it is there already."""
+    return t if t.device == like.device else t.to(like.device)

@@ -196,10 +196,13 @@ class Trainer:
 
     @torch.no_grad()
     def feature_scale(self, n_rows: int = 4) -> torch.Tensor:
-        """The per-dimension feature scale, from the first few training rows."""
+        """The per-dimension feature scale, from the first few training rows (the same rows on every
+        rank, so every rank starts the same drafter; a memo does not keep them: they may be another
+        rank's)."""
         idx = torch.arange(min(n_rows, self.train_rows["input_ids"].shape[0]))
         if self.train_features is not None:
-            return feature_scale_from(self.train_features(idx).features)
+            read = getattr(self.train_features, "compute", self.train_features)
+            return feature_scale_from(read(idx).features)
         b = rows_batch(self.train_rows, idx)
         dev = self.target.device
         return feature_scale_from(self.target(b.input_ids.to(dev), position_ids=b.position_ids.to(dev),

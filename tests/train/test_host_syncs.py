@@ -1,0 +1,40 @@
+"""Host reads of device tensors in a training step (each one a wait for the GPU on CUDA): a fixed
+number per step, none per packed row or per block slot (tests/cuda_shim.py counts them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdraft.config import DrafterConfig
+from blockdraft.model import DFlashDrafter
+from blockdraft.train import Batch, compute_loss
+from conftest import tiny_rows, tiny_target
+from cuda_shim import CudaPlacement
+
+
+def syncs(rows: int, block: int, cached: bool) -> dict:
+    t = tiny_target("llama")
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=block, draft_vocab_size=64))
+    d.set_draft_vocab(torch.arange(64))
+    with CudaPlacement() as mode:
+        r = tiny_rows(rows)  # made under the shim: host tensors, as a data loader's are
+        stored = None
+        if cached:
+            from blockdraft.data.features import FeatureMemo
+
+            stored = FeatureMemo(t, r)(torch.arange(rows))
+        batch = Batch(r["input_ids"], r["loss_mask"], r["position_ids"], r["document_ids"])
+        mode.syncs.clear()
+        loss, m = compute_loss(t, d, batch, max_anchors=8, generator=torch.Generator().manual_seed(0), cached=stored)
+        loss.backward()
+    assert m["blocks"] >= rows  # every row anchored some blocks
+    return mode.syncs
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_step_reads_the_device_a_fixed_number_of_times(cached):
+    small, large = syncs(1, 4, cached), syncs(4, 8, cached)
+    assert small == large, (small, large)  # not per row, not per slot
+    assert sum(large.values()) <= 7, large
