@@ -42,6 +42,7 @@ class CudaPlacement(TorchFunctionMode):
         super().__init__()
         self._host: dict[int, weakref.ref] = {}
         self.syncs: dict[str, int] = {}
+        self.device_calls: dict[str, int] = {}  # functions called on a device tensor (first tensor argument)
 
     # ------------------------------------------------------------- tags
     def is_host(self, t) -> bool:
@@ -76,6 +77,8 @@ class CudaPlacement(TorchFunctionMode):
         any_host = any(self.is_host(x) for x in inputs)
         if name in HOST_READS and inputs and not self.is_host(inputs[0]):
             self.host_count(name)
+        if inputs and not self.is_host(inputs[0]):
+            self.device_calls[name] = self.device_calls.get(name, 0) + 1
         if name in ("__getitem__", "__setitem__") and len(args) > 1:
             idx = args[1]
             for i in (idx if isinstance(idx, tuple) else (idx,)):

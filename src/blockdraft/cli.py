@@ -119,7 +119,7 @@ def _load_pair(args):
     device = pick_device(args.device)
     drafter = load_drafter(args.drafter, device=device, num_target_layers=target_num_layers(args.target))
     target = TargetModel.from_pretrained(args.target, layer_ids=drafter.config.target_layer_ids, device=device,
-                                         **spread_kwargs(args))
+                                         **spread_kwargs(args, device))
     return target, drafter
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import default_target_layer_ids, validate_layer_ids
 from .target_files import (EMBEDDED, SPREAD_NAMES, TargetFiles, TargetOptions, _special_ids,  # noqa: F401
-                           cache_dir, load_tokenizer, pick_device, pick_mask_token, resolve_target, spread_kwargs,
+                           cache_dir, default_dtype, load_tokenizer, pick_device, pick_mask_token, resolve_target, spread_kwargs,
                            stop_token_ids, target_num_layers, tokenizer_hash)
 from .model.linear import few_rows_linear, use_few_rows_linears
 
@@ -113,13 +113,13 @@ class TargetModel(nn.Module):
 
         local, name = resolve_target(path)
         if dtype is None:
-            dtype = torch.bfloat16 if (device or "").startswith("cuda") else torch.float32
+            dtype = default_dtype(device)
         spread = model_kwargs.get("device_map") is not None
         if not spread:
             model_kwargs.pop("device_map", None)
+            if device is not None:  # loaded straight onto its device, not staged in host RAM first
+                model_kwargs["device_map"] = {"": str(device)}
         model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, **model_kwargs)
-        if device is not None and not spread:
-            model = model.to(device)
         tok = load_tokenizer(local)
         # a spread model (device_map) hands its outputs to the drafter's device
         target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id,
@@ -129,10 +129,12 @@ class TargetModel(nn.Module):
 
     @classmethod
     def head_only(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
-                  num_features: int = 5, dtype: torch.dtype = torch.float32, device: str | None = None,
+                  num_features: int = 5, dtype: torch.dtype | None = None, device: str | None = None,
                   mask_token_id: int | None = None) -> "TargetModel":
         """The target's config, tokenizer, embedding and head only (decoder layers stay on the meta
-        device): enough to train from a feature cache, which never runs the target."""
+        device): enough to train from a feature cache, which never runs the target. Loaded in the
+        training precision (default: bf16 on CUDA), so no loss chunk recasts a 150k-row head."""
+        dtype = dtype or default_dtype(device)
         from safetensors import safe_open
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -149,8 +151,8 @@ class TargetModel(nn.Module):
             if key is None:
                 raise ValueError(f"{local} has no tensor for {pname}")
             f = next(f for f in files if key in safe_open(str(f), "pt").keys())
-            with safe_open(str(f), "pt", device="cpu") as fh:
-                mod.weight = nn.Parameter(fh.get_tensor(key).to(dtype=dtype, device=device or "cpu"),
+            with safe_open(str(f), "pt", device=str(device or "cpu")) as fh:  # read straight onto the device
+                mod.weight = nn.Parameter(fh.get_tensor(key).to(dtype=dtype),
                                           requires_grad=False)
         tok = load_tokenizer(local)
         target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)

@@ -101,10 +101,31 @@ def pick_device(device: str | None) -> str:
 SPREAD_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def spread_kwargs(opts) -> dict:
+def default_dtype(device: str | torch.device | None) -> torch.dtype:
+    """The precision a frozen target runs and is stored in: bf16 on CUDA, fp32 elsewhere (on the
+    CPUs here bf16 matrix products are slower than fp32)."""
+    return torch.bfloat16 if str(device or "").startswith("cuda") else torch.float32
+
+
+def reserve_drafter_device(drafter_device: str | None) -> dict | None:
+    """accelerate's `max_memory` for a named device_map that leaves the drafter's GPU (which also
+    holds the drafter, its optimizer, labels and masks) to the drafter: every other device keeps
+    its memory, that one gets none. None when there is no second GPU to spread over."""
+    dev = torch.device(drafter_device) if drafter_device else None
+    if dev is None or dev.type != "cuda" or torch.cuda.device_count() < 2:
+        return None
+    from accelerate.utils import get_max_memory
+
+    budget = dict(get_max_memory())
+    budget[dev.index if dev.index is not None else torch.cuda.current_device()] = 0
+    return budget
+
+
+def spread_kwargs(opts, drafter_device: str | None = None) -> dict:
     """--target-device-map: spread a target too big for one device with transformers' `device_map`
     (auto, balanced, sequential, or a JSON object / file of module -> device; "disk" entries need
-    --offload-folder). The drafter stays on --device, the target's outputs are moved there."""
+    --offload-folder). The drafter stays on --device, the target's outputs are moved there; a named
+    map keeps the target off the drafter's GPU when there are others (`reserve_drafter_device`)."""
     spec = getattr(opts, "target_device_map", None)
     if not spec:
         return {}
@@ -123,6 +144,9 @@ def spread_kwargs(opts) -> dict:
         raise ValueError("--target-device-map spreads the target over this node's devices: run one process "
                          "per node (torchrun --nproc-per-node 1)")
     kw = {"device_map": device_map}
+    budget = reserve_drafter_device(drafter_device) if isinstance(device_map, str) else None
+    if budget is not None:
+        kw["max_memory"] = budget
     if getattr(opts, "offload_folder", None):
         kw["offload_folder"] = opts.offload_folder
     return kw

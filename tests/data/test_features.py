@@ -135,3 +135,39 @@ def test_a_disk_cache_scores_only_the_draft_rows(tmp_path, monkeypatch):
     memo = compute_loss(t, d, b, max_anchors=6, loss="kl", generator=torch.Generator().manual_seed(0),
                         cached=FeatureMemo(t, rows)(idx))
     torch.testing.assert_close(disk[0], memo[0], rtol=1e-6, atol=1e-6)
+
+
+def test_extract_runs_the_target_a_bounded_batch_at_a_time_and_stores_its_dtype(tmp_path, monkeypatch):
+    """A shard of 6 rows of 40 tokens goes through the target 2 rows (80 tokens) at a time, with
+    the same outputs as one forward of each row; the cache stores the target's own precision."""
+    t = tiny_target("llama")
+    rows = tiny_rows(8)
+    seen = []
+    real = type(t).forward
+
+    def forward(self, input_ids, **kw):
+        seen.append(input_ids.numel())
+        return real(self, input_ids, **kw)
+
+    monkeypatch.setattr(type(t), "forward", forward)
+    extract(t, rows, tmp_path / "c", shard_rows=6, batch_tokens=80, progress=False)
+    assert seen and max(seen) <= 80, seen
+    got = DiskFeatures(tmp_path / "c")(torch.arange(8))
+    ref = FeatureMemo(t, rows)(torch.arange(8))
+    assert got.features.dtype == torch.float32  # the target's
+    torch.testing.assert_close(got.features, ref.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.final_hidden, ref.final_hidden, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.top, ref.top)
+    t16 = tiny_target("llama")
+    t16.model.to(torch.bfloat16)
+    extract(t16, rows, tmp_path / "b", shard_rows=6, progress=False)
+    assert DiskFeatures(tmp_path / "b")(torch.arange(2)).features.dtype == torch.bfloat16
+
+
+def test_the_default_shard_holds_about_a_gibibyte():
+    from blockdraft.data.features import auto_shard_rows, row_bytes
+
+    t = tiny_target("llama")  # 3 feature layers + the final state of width 32
+    assert row_bytes(t, 1024, torch.bfloat16) == 1024 * (4 * 32 * 2 + 8)
+    assert auto_shard_rows(t, 1024, torch.float32) == 64  # small rows: the cap
+    assert auto_shard_rows(t, 1024, torch.float32, budget=10 * row_bytes(t, 1024, torch.float32)) == 10

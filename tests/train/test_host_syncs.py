@@ -38,3 +38,19 @@ def test_a_step_reads_the_device_a_fixed_number_of_times(cached):
     small, large = syncs(1, 4, cached), syncs(4, 8, cached)
     assert small == large, (small, large)  # not per row, not per slot
     assert sum(large.values()) <= 7, large
+
+
+def test_a_checkpoint_copies_the_state_to_the_host_without_a_device_clone(tmp_path):
+    """Saving copies each tensor to the host directly: a clone on the GPU first would hold a second
+    drafter and optimizer state there while the file is written."""
+    from blockdraft.train.state import save_state
+
+    t = tiny_target("llama")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    opt = torch.optim.AdamW(d.parameters())
+    d.fc.weight.sum().backward()
+    opt.step()
+    with CudaPlacement() as mode:
+        save_state(tmp_path / "ck", drafter=d, optimizer=opt, progress={"step": 1})
+    assert "clone" not in mode.device_calls, mode.device_calls
+    assert mode.device_calls.get("to", 0) >= len(d.state_dict())

@@ -248,3 +248,41 @@ def test_continuing_an_anchor_rule_drafter_can_move_it_to_the_query_window(tmp_p
         a, b = (d(feats, embeds, layout) for d in (old, got))
     torch.testing.assert_close(b[0], a[0])
     assert bool((b[1] - a[1]).abs().max() > 1e-3) == (rule == "query")
+
+
+def test_a_feature_cache_is_read_one_micro_batch_ahead_off_the_training_thread(tmp_path):
+    """Training from a disk cache: every micro-batch after the first is read on the prefetch thread
+    while the one before it trains, in the order training takes them, with the same losses as
+    reading each on the training thread."""
+    import threading
+
+    from blockdraft.data.features import CacheView, DiskFeatures, extract
+
+    t = tiny_target("llama", seed=1)
+    rows = tiny_rows(12)
+    extract(t, rows, tmp_path / "cache", shard_rows=4, progress=False)
+    cache = DiskFeatures(tmp_path / "cache")
+    reads = []
+
+    class Recorded(CacheView):
+        def __call__(self, i):
+            reads.append((threading.current_thread().name, i.tolist()))
+            return super().__call__(i)
+
+    def run(out, source):
+        torch.manual_seed(0)
+        d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+        cfg = TrainConfig(out=str(tmp_path / out), steps=5, batch_tokens=80, grad_accum=2, max_anchors=8,
+                          eval_every=100, save_every=100, progress=False)
+        tr = Trainer(t, d, cache.rows, None, cfg, train_features=source)
+        tr.train()
+        order = [tr.batch_indices(s, m).tolist() for s in range(5) for m in range(2)]
+        return records(tmp_path / out), order
+
+    plain = lambda i: cache(i)  # noqa: E731  (no prefetch attribute: read on the training thread)
+    base, _ = run("plain", plain)
+    got, order = run("ahead", Recorded(cache, torch.arange(12)))
+    train_reads = [r for r in reads if len(r[1]) == 2]  # the 4 feature-scale rows are read once, up front
+    assert [i for _, i in train_reads] == order
+    assert all(name.startswith("blockdraft-prefetch") for name, _ in train_reads[1:]), train_reads
+    assert [m["loss"] for m in got] == [m["loss"] for m in base]

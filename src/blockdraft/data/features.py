@@ -37,11 +37,21 @@ class StoredOutputs:
 
 
 @torch.no_grad()
-def target_outputs(target, rows: dict, idx: torch.Tensor) -> StoredOutputs:
-    """Features, final normed state and full-vocabulary argmax of the given rows, on the CPU."""
-    out = target(rows["input_ids"][idx].to(target.device), position_ids=rows["position_ids"][idx].to(target.device),
-                  return_final_hidden=True)
-    return StoredOutputs(out.features.cpu(), out.final_hidden.cpu(), full_argmax(target, out.final_hidden).cpu())
+def target_outputs(target, rows: dict, idx: torch.Tensor, rows_per_forward: int | None = None) -> StoredOutputs:
+    """Features, final normed state and full-vocabulary argmax of the given rows, on the CPU; the
+    target runs `rows_per_forward` rows at a time (default: all at once)."""
+    step = rows_per_forward or max(1, idx.numel())
+    parts = []
+    for i in range(0, idx.numel(), step):
+        sub = idx[i:i + step]
+        dev = target.device
+        out = target(rows["input_ids"][sub].to(dev), position_ids=rows["position_ids"][sub].to(dev),
+                     return_final_hidden=True)
+        parts.append(StoredOutputs(out.features.cpu(), out.final_hidden.cpu(), full_argmax(target, out.final_hidden).cpu()))
+        del out
+    if len(parts) == 1:
+        return parts[0]
+    return StoredOutputs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("features", "final_hidden", "top")))
 
 
 @torch.no_grad()
@@ -95,14 +105,30 @@ def rows_hash(rows: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16, dtype: torch.dtype = torch.float32,
-            rank: int = 0, world: int = 1, progress: bool = True) -> Path:
-    """Write shard files shard-{k}.safetensors for the shards k with k % world == rank."""
+def row_bytes(target, L: int, dtype: torch.dtype) -> int:
+    """Bytes one packed row of L tokens takes in a cache: F features, the final state, the argmax."""
+    return L * ((len(target.layer_ids) + 1) * target.hidden_size * torch.finfo(dtype).bits // 8 + 8)
+
+
+def auto_shard_rows(target, L: int, dtype: torch.dtype, budget: int = 2**30) -> int:
+    """Rows per shard file: about `budget` bytes of outputs (held in host RAM while the shard is
+    made), 1 to 64 rows."""
+    return max(1, min(64, budget // row_bytes(target, L, dtype)))
+
+
+def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16, dtype: torch.dtype | None = None,
+            rank: int = 0, world: int = 1, progress: bool = True, batch_tokens: int = 16384) -> Path:
+    """Write shard files shard-{k}.safetensors for the shards k with k % world == rank.
+
+    The target runs `batch_tokens` tokens (whole rows) at a time; `dtype` (default: the target's
+    own, bf16 on CUDA) is what the shards store."""
     from tqdm.auto import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     R, L = rows["input_ids"].shape
+    dtype = dtype or target.dtype
+    rows_per_forward = max(1, batch_tokens // L)
     ident = dict(cache_identity(target, L, dtype), rows=R, shard_rows=shard_rows, rows_hash=rows_hash(rows))
     mpath = out / MANIFEST
     if mpath.exists():
@@ -123,10 +149,11 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         if path.exists():
             continue  # finished before a restart
         idx = torch.arange(k * shard_rows, min(R, (k + 1) * shard_rows))
-        got = target_outputs(target, rows, idx)
+        got = target_outputs(target, rows, idx, rows_per_forward)
         tensors = {key: rows[key][idx].contiguous() for key in ROW_KEYS}
         tensors.update(features=got.features.to(dtype).contiguous(), final_hidden=got.final_hidden.to(dtype).contiguous(),
                        top=got.top.contiguous())
+        del got
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(tensors, str(tmp))
         os.replace(tmp, path)

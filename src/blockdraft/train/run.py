@@ -96,7 +96,7 @@ def load_target(cfg: RunConfig, device: str):
     if cfg.data.features_cache:  # the target never runs: only its embedding and head are loaded
         return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device)
     return TargetModel.from_pretrained(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
-                                       **spread_kwargs(t))
+                                       **spread_kwargs(t, device))
 
 
 def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
@@ -157,14 +157,16 @@ class ExtractOptions:
     """`blockdraft extract`: where the shards go and how they are cut."""
 
     out: str = opt("", "cache directory (new, or an unfinished cache to complete)", required=True)
-    shard_rows: int = opt(64, "packed rows per shard file")
-    dtype: str = opt("float32", "stored precision of features and final states",
-                     choices=("float32", "bfloat16", "float16"))
+    shard_rows: int = opt(0, "packed rows per shard file (0: about 1 GiB of outputs each, at most 64 rows; a shard "
+                             "is held in host RAM while it is made)")
+    dtype: str = opt("auto", "stored precision of features and final states (auto: the target's, bf16 on CUDA)",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+    batch_tokens: int = opt(16384, "tokens per target forward (whole rows)")
     seed: int = opt(0, "seed of the (unused) held-out split; kept so a cache's identity is stable")
 
 
 def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions) -> str:
-    from ..data.features import extract
+    from ..data.features import auto_shard_rows, extract
     from ..target import TargetModel
     from .distributed import barrier, init_from_env
 
@@ -173,7 +175,10 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
                                          num_features=target_opts.num_features, device=device,
                                          **spread_kwargs(target_opts))
     rows, _ = conversation_rows(target.tokenizer, dataclasses.replace(data, eval_fraction=0.0), opts.seed)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
-    out = extract(target, rows, opts.out, shard_rows=opts.shard_rows, dtype=dtype, rank=rank, world=world_size)
+    dtype = {"auto": target.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[opts.dtype]
+    shard_rows = opts.shard_rows or auto_shard_rows(target, rows["input_ids"].shape[1], dtype)
+    out = extract(target, rows, opts.out, shard_rows=shard_rows, dtype=dtype, rank=rank, world=world_size,
+                  batch_tokens=opts.batch_tokens)
     barrier()  # the cache is complete once every rank has written its shards
     return str(out)

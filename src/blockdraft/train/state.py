@@ -26,13 +26,13 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, dra
     """`drafter_state`/`optimizer_state`: full states gathered from a sharded run (else taken from
     the objects). `need_bytes`: free space checked before anything is written."""
     sd = drafter.state_dict() if drafter_state is None else drafter_state
-    tensors: dict[str, torch.Tensor] = {f"drafter.{k}": v.detach().clone().contiguous() for k, v in sd.items()}
-    tensors["drafter_feature_scale"] = drafter.feature_scale.detach().cpu().clone()
+    tensors: dict[str, torch.Tensor] = {f"drafter.{k}": _host_copy(v) for k, v in sd.items()}
+    tensors["drafter_feature_scale"] = _host_copy(drafter.feature_scale)
     opt = optimizer.state_dict() if optimizer_state is None else optimizer_state
     for idx, st in opt["state"].items():
         for name, val in st.items():
             t = val if torch.is_tensor(val) else torch.tensor(val)
-            tensors[f"opt.{idx}.{name}"] = t.detach().clone().contiguous()
+            tensors[f"opt.{idx}.{name}"] = _host_copy(t)
     tensors["rng.torch"] = torch.get_rng_state()
     meta = {"progress": progress, "param_groups": opt["param_groups"],
             "drafter_config": drafter.config.to_dict()}
@@ -42,6 +42,12 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, dra
         (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1))
 
     return atomic_dir(directory, write, owned=(STATE_JSON, STATE_TENSORS), need_bytes=need_bytes)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a state tensor, made by the copy to the host itself (a clone on the GPU first
+    would hold a second copy of the drafter and its optimizer there while the file is written)."""
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
