@@ -263,3 +263,30 @@ def test_fsdp_reduces_gradients_once_per_step_under_accumulation(tmp_path):
     reduce_scatters = sum(v for k, v in calls.items() if k.startswith("reduce_scatter"))
     assert reduce_scatters == units * 5, calls
     check_shim(tmp_path / "two")
+
+
+def test_an_nccl_group_is_bound_to_the_ranks_gpu_with_a_long_timeout(monkeypatch):
+    """init_process_group gets the rank's device (nccl binds the group to it; barriers use it) and a
+    timeout covering rank 0's longest lone work; collectives then run on that device."""
+    import datetime
+
+    import blockdraft.train.distributed as bd
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("set_device", i))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(bd, "_COMM_DEVICE", None)
+    assert bd.init_from_env("cuda", timeout_min=90) == (3, 4, "cuda:3")
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda:3") and seen["set_device"] == 3
+    assert seen["timeout"] == datetime.timedelta(minutes=90)
+    assert bd._COMM_DEVICE == torch.device("cuda:3")
+    seen.clear()
+    bd.init_from_env("cpu")
+    assert seen["backend"] == "gloo" and "device_id" not in seen
+    assert seen["timeout"] == datetime.timedelta(minutes=bd.DEFAULT_TIMEOUT_MIN)
+    assert bd._COMM_DEVICE == torch.device("cpu")
