@@ -425,7 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import SafetensorError
 
     try:
-        return int(args.fn(args) or 0)
+        rc = int(args.fn(args) or 0)
+        from .train.distributed import leave
+
+        leave()  # after a clean finish only: a rank that failed must not wait for the others here
+        return rc
     except (ValueError, OSError, SafetensorError) as e:  # a user's mistake or the machine's: one line, exit 2
         if args.debug:
             raise

@@ -24,9 +24,15 @@ _COMM_DEVICE: torch.device | None = None
 
 def world() -> tuple[int, int]:
     """(rank, world_size); (0, 1) outside torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
+    if grouped():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def grouped() -> bool:
+    """Whether this process is in a process group. Under torchrun it is even alone (one GPU): the
+    collectives then run for real, on nccl too, so a single-GPU run exercises what N GPUs do."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def backend_device(backend: str, device: str | torch.device) -> torch.device:
@@ -38,7 +44,7 @@ def comm_device() -> torch.device:
     """Where this process's collective tensors must live (the CPU outside torch.distributed)."""
     if _COMM_DEVICE is not None:
         return _COMM_DEVICE
-    if world()[1] > 1:  # a group made by someone else (tests, a launcher): ask its backend
+    if grouped():  # a group made by someone else (tests, a launcher): ask its backend
         backend = dist.get_backend()
         if backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
@@ -46,13 +52,15 @@ def comm_device() -> torch.device:
 
 
 def init_from_env(device: str, timeout_min: float | None = None) -> tuple[int, int, str]:
-    """Join the process group torchrun describes; returns (rank, world, this rank's device).
+    """Join the process group torchrun describes (also a group of one: torchrun on one GPU); returns
+    (rank, world, this rank's device). Without torchrun's environment no group is made.
 
     nccl gets the rank's device (`device_id`: the group is bound to it, barriers use it) and
     both backends a `timeout` long enough for the longest work one rank does alone."""
     global _COMM_DEVICE
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1 or (dist.is_available() and dist.is_initialized()):
+    if not (size > 1 or launched) or grouped():
         r, w = world()
         return r, w, device
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -68,9 +76,17 @@ def init_from_env(device: str, timeout_min: float | None = None) -> tuple[int, i
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def leave() -> None:
+    """Leave the process group this module joined (at the end of a command)."""
+    global _COMM_DEVICE
+    if _COMM_DEVICE is not None and grouped():
+        dist.destroy_process_group()
+    _COMM_DEVICE = None
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of `t` over ranks, moved to the collective device and back to where it came from."""
-    if world()[1] == 1:
+    if not grouped():
         return t
     home = t.device
     x = t.to(comm_device())
@@ -81,7 +97,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 def all_reduce_mean(values: dict) -> dict:
     """Average float metrics over ranks (no-op on one process): one collective for all of them."""
     r, w = world()
-    if w == 1:
+    if not grouped():
         return values
     keys = [k for k, v in values.items() if isinstance(v, float)]
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=comm_device())
@@ -93,7 +109,7 @@ def all_reduce_mean(values: dict) -> dict:
 
 def all_reduce_max(values: list[float]) -> list[float]:
     """Element-wise maximum over ranks (peak memory, step times)."""
-    if world()[1] == 1:
+    if not grouped():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -102,7 +118,7 @@ def all_reduce_max(values: list[float]) -> list[float]:
 
 def all_gather_floats(values: list[float]) -> list[float]:
     """Every rank's `values`, concatenated in rank order (one value per rank: a per-rank figure)."""
-    if world()[1] == 1:
+    if not grouped():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     out = [torch.empty_like(t) for _ in range(world()[1])]
@@ -118,7 +134,7 @@ def average_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> int:
     collective per bucket, not one per parameter). Returns the number of collectives issued."""
     r, w = world()
     grads = [p.grad for p in params if p.grad is not None]
-    if w == 1 or not grads:
+    if not grouped() or not grads:
         return 0
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
@@ -159,7 +175,7 @@ def clip_grad_norm(params, max_norm: float) -> float:
 
 
 def barrier() -> None:
-    if world()[1] > 1:
+    if grouped():
         dist.barrier()
 
 

@@ -19,7 +19,7 @@ import torch
 from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
 from .distributed import (all_gather_floats, all_reduce_mean, all_reduce_sum, average_gradients, barrier,
-                          clip_grad_norm, gradient_sync, world)
+                          clip_grad_norm, gradient_sync, grouped, world)
 from .state import load_state, save_state
 from .options import TrainConfig
 from .step import Batch, compute_loss
@@ -140,7 +140,9 @@ class Trainer:
         self.micro_per_step = cfg.grad_accum * self.world
         self.steps_per_epoch = max(1, math.ceil(R / (self.rows_per_batch * self.micro_per_step)))
         self.total = cfg.steps or max(1, int(round(cfg.epochs * self.steps_per_epoch)))
-        self.fsdp = cfg.fsdp and self.world > 1  # one process has nothing to shard over
+        # outside a process group there is nothing to shard over (under torchrun a group of one GPU
+        # still shards, so that one GPU runs FSDP's code path)
+        self.fsdp = cfg.fsdp and grouped()
         self.opt = self._optimizer()
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
         self.saved_step = 0  # the step of the last complete checkpoint (0: none yet)
