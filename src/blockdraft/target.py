@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import default_target_layer_ids, validate_layer_ids
 from .target_files import (EMBEDDED, SPREAD_NAMES, TargetFiles, TargetOptions, _special_ids,  # noqa: F401
-                           cache_dir, default_dtype, load_tokenizer, pick_device, pick_mask_token, resolve_target, spread_kwargs,
+                           cache_dir, default_dtype, is_random, load_tokenizer, pick_device, pick_mask_token, resolve_target, spread_kwargs,
                            stop_token_ids, target_num_layers, tokenizer_hash)
 from .model.linear import few_rows_linear, use_few_rows_linears
 
@@ -111,9 +111,12 @@ class TargetModel(nn.Module):
                         mask_token_id: int | None = None, **model_kwargs) -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
-        local, name = resolve_target(path)
         if dtype is None:
             dtype = default_dtype(device)
+        if is_random(path):
+            return cls.random(str(path), layer_ids=layer_ids, num_features=num_features, dtype=dtype, device=device,
+                              mask_token_id=mask_token_id)
+        local, name = resolve_target(path)
         spread = model_kwargs.get("device_map") is not None
         if not spread:
             model_kwargs.pop("device_map", None)
@@ -135,6 +138,13 @@ class TargetModel(nn.Module):
         device): enough to train from a feature cache, which never runs the target. Loaded in the
         training precision (default: bf16 on CUDA), so no loss chunk recasts a 150k-row head."""
         dtype = dtype or default_dtype(device)
+        if is_random(path):  # built whole (the same weights as the run that extracted), then its layers dropped
+            target = cls.random(str(path), layer_ids=layer_ids, num_features=num_features, dtype=dtype, device=device,
+                                mask_token_id=mask_token_id)
+            for layer in target._layers:
+                layer.to("meta")
+            target.head_only_loaded = True
+            return target
         from safetensors import safe_open
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -158,6 +168,23 @@ class TargetModel(nn.Module):
         target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
         target.head_only_loaded = True
         target.local_dir = local
+        return target
+
+    @classmethod
+    def random(cls, spec: str, *, layer_ids: list[int] | None = None, num_features: int = 5,
+               dtype: torch.dtype | None = None, device: str | None = None,
+               mask_token_id: int | None = None) -> "TargetModel":
+        """`random:NAME` (blockdraft.tiny.RANDOM_PRESETS): a random target of a real shape built on
+        `device`, with SmolLM2's tokenizer; no files, no download."""
+        from .tiny import random_target_model
+
+        local, _ = resolve_target("smollm2")
+        tok = load_tokenizer(local)
+        model = random_target_model(spec, device=device, dtype=dtype or default_dtype(device))
+        if model.get_output_embeddings().weight.shape[0] < len(tok):
+            raise ValueError(f"{spec}: its vocabulary is smaller than the tokenizer's")
+        target = cls(model, tok, layer_ids, num_features=num_features, name=spec, mask_token_id=mask_token_id)
+        target.local_dir = None
         return target
 
     # -------------------------------------------------------------- checks

@@ -45,9 +45,16 @@ def _gguf_to_safetensors(gguf_path: Path, out: Path) -> Path:
     return out
 
 
+def is_random(name_or_path) -> bool:
+    """`random:NAME`: a random target of a real shape built in code (blockdraft.tiny.RANDOM_PRESETS)."""
+    return str(name_or_path).startswith("random:")
+
+
 def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
     """Map the embedded name or a GGUF file to a safetensors directory (converted once)."""
     s = str(name_or_path)
+    if is_random(s):
+        raise ValueError(f"{s} is built in code and has no files: this command needs a target directory")
     if s in EMBEDDED:
         import importlib.util
 
@@ -180,6 +187,10 @@ def target_num_layers(name_or_path: str | os.PathLike) -> int:
     """The target's decoder layer count from its config alone (no weights loaded)."""
     from transformers import AutoConfig
 
+    if is_random(name_or_path):
+        from .tiny import random_preset
+
+        return int(random_preset(str(name_or_path))["layers"])
     local, _ = resolve_target(name_or_path)
     cfg = AutoConfig.from_pretrained(local)
     return int((getattr(cfg, "text_config", None) or cfg).num_hidden_layers)

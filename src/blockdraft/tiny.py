@@ -14,8 +14,10 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
 
 
 def tiny_causal_lm(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 32, heads: int = 4,
-                   kv_heads: int = 2, intermediate: int | None = None, seed: int = 0, max_positions: int = 512):
-    """A randomly initialised transformers causal LM of the given family (fp32, eval mode). Norm
+                   kv_heads: int = 2, intermediate: int | None = None, seed: int = 0, max_positions: int = 512,
+                   head_dim: int | None = None, device=None, dtype: torch.dtype | None = None):
+    """A randomly initialised transformers causal LM of the given family (eval mode; fp32 on the CPU
+    unless `device`/`dtype` say otherwise: it is built there, nothing staged on the host). Norm
     weights are random too (not ones or zeros), so a missing, doubled or re-implemented norm shows."""
     import transformers as tf
 
@@ -23,7 +25,7 @@ def tiny_causal_lm(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=max_positions)
-    hd = hidden // heads
+    hd = head_dim or hidden // heads
     if arch == "llama":
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif arch == "qwen2":
@@ -48,11 +50,53 @@ def tiny_causal_lm(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int 
             cfg, cls = tf.Qwen3_5TextConfig(**common, **linear), tf.Qwen3_5ForCausalLM
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS + HYBRID_ARCHS}")
-    model = cls(cfg).eval()
+    with torch.device(device or "cpu"):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype or torch.float32)
+        try:
+            model = cls(cfg).eval()
+        finally:
+            torch.set_default_dtype(old)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if _scales_by_w(name, arch) else 0.0))
+    return model
+
+
+# Random targets of real shapes, built in code on their device (`--target random:NAME`): the GPU
+# check trains on a Qwen3-8B-shaped target with no download. They take SmolLM2's tokenizer (its
+# 49,152 ids fit every vocabulary here), so the bundled data tokenizes as for SmolLM2.
+RANDOM_PRESETS = {
+    "qwen3-8b": dict(arch="qwen3", vocab=151936, layers=36, hidden=4096, heads=32, kv_heads=8, intermediate=12288,
+                     head_dim=128, max_positions=40960),
+    "qwen3-0.6b": dict(arch="qwen3", vocab=151936, layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072,
+                       head_dim=128, max_positions=40960),
+    "tiny": dict(arch="qwen3", vocab=49280, layers=8, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                 max_positions=4096),
+}
+RANDOM_PREFIX = "random:"
+
+
+def random_preset(spec: str) -> dict:
+    """The shape of `random:NAME`, or a ValueError naming the presets."""
+    name = str(spec)[len(RANDOM_PREFIX):]
+    if name not in RANDOM_PRESETS:
+        raise ValueError(f"unknown random target {spec!r}; use one of "
+                         + ", ".join(RANDOM_PREFIX + k for k in RANDOM_PRESETS))
+    return dict(RANDOM_PRESETS[name])
+
+
+def random_target_model(spec: str, *, device=None, dtype: torch.dtype | None = None, seed: int = 0):
+    """The model of `random:NAME`: the same weights for the same seed and device kind, so every rank
+    of a run (and a later run training from its features) builds one target. Its head is scaled
+    up so that greedy decoding has clear winners (no near-ties for bf16 to flip)."""
+    kw = random_preset(spec)
+    arch = kw.pop("arch")
+    model = tiny_causal_lm(arch, seed=seed, device=device, dtype=dtype, **kw)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    model.config._name_or_path = str(spec)
     return model
 
 

@@ -163,7 +163,10 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors,
                 cached=cached)
     dt = drafter.fc.weight.dtype
-    hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout, backend)  # [N, B, Hd]
+    # under autocast fc takes the features as they come (an fp32 copy of [T, F*Ht] would be the
+    # largest tensor of the step); the block rows start the residual stream in the weights' dtype
+    amp = torch.is_autocast_enabled(p.features.device.type)
+    hidden = drafter(p.features if amp else p.features.to(dt), p.block_embeds.to(dt), p.layout, backend)  # [N, B, Hd]
     rows = drafter.vocab_rows
     g = default_gamma(drafter.block_size) if gamma is None else gamma
     # the [S, Vd] draft logits are made one chunk of slots at a time (and again in backward)
