@@ -28,18 +28,18 @@ QWEN3_8B = dict(arch="qwen3", vocab=151936, layers=36, hidden=4096, heads=32, kv
                 head_dim=128)
 LLAMA_70B = dict(arch="llama", vocab=128256, layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672,
                  head_dim=128)
-README_COMMANDS = [
-    ("Qwen3-8B, one GPU", QWEN3_8B, 1,
-     "--draft-layers 5 --block-size 16 --max-rows 0 --max-length 4096 --batch-tokens 32768 --max-anchors 512 "
-     "--epochs 6 --lr 6e-4 --draft-vocab full --sliding-window 0 --gradient-checkpointing"),
-    ("Qwen3-8B, 8 GPUs", QWEN3_8B, 8,
+README_COMMANDS = [  # (what, target shape, GPUs, the card it is meant for in GB, flags)
+    ("Qwen3-8B, one GPU", QWEN3_8B, 1, 80,
+     "--draft-layers 5 --block-size 16 --max-rows 0 --max-length 4096 --batch-tokens 16384 --grad-accum 2 "
+     "--max-anchors 512 --epochs 6 --lr 6e-4 --draft-vocab full --sliding-window 0 --gradient-checkpointing"),
+    ("Qwen3-8B, 8 GPUs", QWEN3_8B, 8, 80,
      "--draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 16384 --draft-vocab full --sliding-window 0"),
-    ("Qwen3-8B, 8 GPUs --fsdp", QWEN3_8B, 8,
+    ("Qwen3-8B, 8 GPUs --fsdp", QWEN3_8B, 8, 80,
      "--draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 16384 --draft-vocab full --sliding-window 0 "
      "--fsdp"),
-    ("Qwen3-8B from a feature cache, 8 GPUs", QWEN3_8B, 8,
-     "--features-cache CACHE --draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 16384 "
-     "--draft-vocab full --sliding-window 0"),
+    ("Qwen3-8B from a feature cache, 8 x 24 GB GPUs", QWEN3_8B, 8, 24,
+     "--features-cache CACHE --draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 8192 --grad-accum 2 "
+     "--draft-vocab full --sliding-window 0 --fsdp --gradient-checkpointing"),
 ]
 
 
@@ -66,10 +66,10 @@ def readme_plans() -> list[dict]:
     from blockdraft.plan import plan_run
 
     out = []
-    for name, shape, gpus, flags in README_COMMANDS:
+    for name, shape, gpus, card, flags in README_COMMANDS:
         p = plan_run(config_of(shape), run_config(flags), world=gpus, cuda=True)
-        out.append({"command": name, "gpus": gpus, "flags": flags, "parts_gib": p.gib(), "fits_80": p.fits(80),
-                    "fits_24": p.fits(24), "table": p.table()})
+        out.append({"command": name, "gpus": gpus, "card_gb": card, "flags": flags, "parts_gib": p.gib(),
+                    "fits_80": p.fits(80), "fits_24": p.fits(24), "fits_card": p.fits(card), "table": p.table()})
     return out
 
 

@@ -328,6 +328,10 @@ def test_a_small_run_is_not_mostly_evaluation(tmp_path, tiny_dir, data, capsys):
     rows = {"input_ids": torch.zeros(40, 8, dtype=torch.long)}
     train, held = bound_rows(rows, {"input_ids": torch.zeros(13, 8, dtype=torch.long)}, 16)
     assert train["input_ids"].shape[0] == 16 and held["input_ids"].shape[0] == 2
+    # --max-rows 0 trains on everything; the held-out rows stay bounded by --max-eval-rows
+    train, held = bound_rows(rows, {"input_ids": torch.zeros(300, 8, dtype=torch.long)}, 0, 256)
+    assert train["input_ids"].shape[0] == 40 and held["input_ids"].shape[0] == 256
+    assert bound_rows(rows, {"input_ids": torch.zeros(300, 8, dtype=torch.long)}, 0, 0)[1]["input_ids"].shape[0] == 300
     assert main(["train", "--target", tiny_dir, "--data", data, "--steps", "1", "--max-rows", "4", "--out",
                  str(tmp_path / "r"), *TRAIN, "--eval-fraction", "0.5"]) == 0
     out = capsys.readouterr().out

@@ -81,6 +81,8 @@ class DataOptions:
     max_rows: int = opt(128, "train on at most this many packed rows (0: all; held-out rows are bounded to an "
                              "eighth of it); the default keeps a 2-core CPU run under 15 minutes")
     eval_fraction: float = opt(0.05, "share of the conversations held out, chosen by a hash of each one")
+    max_eval_rows: int = opt(256, "evaluate on at most this many held-out packed rows (0: all); every rank "
+                                  "evaluates its share of them")
     skip_bad_lines: bool = opt(False, "skip and count malformed records instead of stopping at the first")
     features_cache: str | None = opt(None, "train from `blockdraft extract` shards instead of running the target",
                                      metavar="DIR")
@@ -131,12 +133,15 @@ def first_rows(rows: dict, max_rows: int, what: str = "training") -> dict:
     return rows
 
 
-def bound_rows(train: dict, held_out: dict | None, max_rows: int) -> tuple[dict, dict | None]:
+def bound_rows(train: dict, held_out: dict | None, max_rows: int, max_eval_rows: int = 0) -> tuple[dict, dict | None]:
     """--max-rows bounds the training rows, and the held-out rows to an eighth of it (a small run is
-    not mostly evaluation)."""
+    not mostly evaluation); --max-eval-rows bounds the held-out rows in any case (an evaluation
+    every --eval-every steps of 5% of a large data set would cost more than the training)."""
     train = first_rows(train, max_rows)
-    if held_out is not None and max_rows:
-        held_out = first_rows(held_out, max(1, max_rows // 8), what="held-out evaluation")
+    if held_out is not None:
+        caps = [c for c in (max(1, max_rows // 8) if max_rows else 0, max_eval_rows) if c]
+        if caps:
+            held_out = first_rows(held_out, min(caps), what="held-out evaluation")
     return train, held_out
 
 

@@ -106,10 +106,10 @@ def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
     d, seed = cfg.data, cfg.train.seed
     if d.features_cache:
         train_rows, eval_rows, tf, ef = cached_rows(d, target, seed)
-        train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows)
+        train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows)
         return train_rows, eval_rows, {"train_features": tf, "eval_features": ef}
     train_rows, eval_rows = conversation_rows(target.tokenizer, d, seed)
-    train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows)
+    train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows)
     if d.memo_features == "on" or (d.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
         # compute the target's outputs once, reuse them every epoch
         return train_rows, eval_rows, {"train_features": FeatureMemo(target, train_rows),
