@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +79,16 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set. VmHWM belongs to the address space exec made; getrusage's
+    ru_maxrss would keep the forking parent's size (a large test process) across the exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _build(spec: dict):
     import torch
 
@@ -113,7 +122,7 @@ def measure(spec: dict) -> dict:
     for i in range(2):
         train_step(t, d, opt, batch, max_anchors=spec["A"], generator=torch.Generator().manual_seed(i),
                    backend="chunked")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss()
     return {"base": base, "peak": peak, "rise": peak - base}
 
 
