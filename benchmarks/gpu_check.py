@@ -1,5 +1,5 @@
-"""The product on GPUs, in one command: `blockdraft train` under torchrun (nccl; replicated and
---fsdp) on a random target of Qwen3-8B's shape built on the GPU, `blockdraft extract` and training
+"""The product on GPUs, in one command: `blockdraft train` under torchrun (nccl; replicated, --fsdp,
+and --target-fsdp --fsdp) on a random target of Qwen3-8B's shape built on the GPU, `blockdraft extract` and training
 from its cache, speculative generation in bf16 against the target's own greedy output, a
 device_map spread (2+ GPUs), and the attention backends against the dense reference.
 
@@ -119,7 +119,7 @@ def flops_per_token(target_params: int, drafter_params: int, blocks_per_token: f
 
 
 def planned_peak_gib(target: str, flags: str, world: int, cuda: bool, fsdp: bool = False,
-                     cache: bool = False) -> float:
+                     cache: bool = False, target_fsdp: bool = False) -> float:
     """The memory plan's peak per rank for these flags (benchmarks/memory_plan.py)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import memory_plan
@@ -129,7 +129,8 @@ def planned_peak_gib(target: str, flags: str, world: int, cuda: bool, fsdp: bool
 
     shape = random_preset(target)
     shape.setdefault("head_dim", shape["hidden"] // shape["heads"])
-    extra = (" --fsdp" if fsdp else "") + (" --features-cache CACHE" if cache else "")
+    extra = ((" --fsdp" if fsdp else "") + (" --features-cache CACHE" if cache else "")
+             + (" --target-fsdp" if target_fsdp else ""))
     run_cfg = memory_plan.run_config(" ".join(f for f in flags.split() if f) + extra)
     return plan_run(memory_plan.config_of(shape), run_cfg, world=world, cuda=cuda).peak / 2**30
 
@@ -268,7 +269,7 @@ def check(cpu: bool, out_json: str | None, work: Path, gpus: int | None = None) 
     common = ["--target", target, *mode["flags"].split(), "--steps", str(steps), "--eval-every", str(steps),
               "--save-every", str(steps), "--max-rows", str(rows), "--no-progress"]
 
-    def train(name: str, extra: list[str], fsdp=False, cache=False, data_args=None):
+    def train(name: str, extra: list[str], fsdp=False, cache=False, data_args=None, target_fsdp=False):
         out = work / name
         args = ["train", *common, *(data_args or ["--data", str(data)]), "--out", str(out), *extra]
         run(torchrun(nproc, args), work / f"{name}.log", mode["timeout"])
@@ -280,11 +281,14 @@ def check(cpu: bool, out_json: str | None, work: Path, gpus: int | None = None) 
         fig["model_flops_per_token"] = fpt
         if peak:
             fig["mfu"] = fig["tokens_per_s"] * fpt / (peak * nproc)
-        fig["planned_peak_gib"] = planned_peak_gib(target, mode["flags"], nproc, not cpu, fsdp=fsdp, cache=cache)
+        fig["planned_peak_gib"] = planned_peak_gib(target, mode["flags"], nproc, not cpu, fsdp=fsdp, cache=cache,
+                                                   target_fsdp=target_fsdp)
         return fig
 
     part(report, "train", lambda: train("train", []))
     part(report, "train_fsdp", lambda: train("train_fsdp", ["--fsdp"], fsdp=True))
+    part(report, "train_target_fsdp", lambda: train("train_target_fsdp", ["--target-fsdp", "--fsdp"], fsdp=True,
+                                                   target_fsdp=True))
 
     def extract():
         args = ["extract", "--target", target, "--data", str(small), "--max-length", str(flag(mode["flags"], "--max-length")),

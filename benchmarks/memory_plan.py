@@ -36,6 +36,9 @@ README_COMMANDS = [  # (what, target shape, GPUs, the card it is meant for in GB
     ("Qwen3-8B, 8 GPUs --fsdp", QWEN3_8B, 8, 80,
      "--draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 16384 --draft-vocab full --sliding-window 0 "
      "--fsdp"),
+    ("Llama-3.3-70B, 8 GPUs, target and drafter sharded", LLAMA_70B, 8, 80,
+     "--target-fsdp --fsdp --gradient-checkpointing --draft-layers 5 --max-rows 0 --max-length 4096 "
+     "--batch-tokens 16384 --draft-vocab full --sliding-window 0"),
     ("Qwen3-8B from a feature cache, 8 x 24 GB GPUs", QWEN3_8B, 8, 24,
      "--features-cache CACHE --draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 8192 --grad-accum 2 "
      "--draft-vocab full --sliding-window 0 --fsdp --gradient-checkpointing"),

@@ -23,7 +23,7 @@ def test_gpu_check_cpu_mode(tmp_path, smollm2_dir):  # the random target borrows
     out = tmp_path / "cpu.json"
     report = gpu_check.main(["--cpu", "--out", str(out), "--work", str(tmp_path / "work")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    parts = ("parity", "train", "train_fsdp", "extract", "train_from_cache", "generate")
+    parts = ("parity", "train", "train_fsdp", "train_target_fsdp", "extract", "train_from_cache", "generate")
     failed = {p: report[p].get("error") for p in parts if not report[p]["ok"]}
     assert not failed, failed
     assert report["ranks"] == 2 and report["device_map"]["ok"] is None  # needs 2 GPUs
@@ -35,7 +35,8 @@ def test_gpu_check_cpu_mode(tmp_path, smollm2_dir):  # the random target borrows
     rep, fsdp = report["train"], report["train_fsdp"]
     assert rep["steps"] == fsdp["steps"] == 3
     assert fsdp["loss"] == pytest.approx(rep["loss"], rel=1e-5)  # sharded or not, the same training
-    for run in (rep, fsdp, report["train_from_cache"]):
+    assert report["train_target_fsdp"]["loss"] == pytest.approx(rep["loss"], rel=1e-5)  # the target sharded too
+    for run in (rep, fsdp, report["train_target_fsdp"], report["train_from_cache"]):
         assert run["tokens_per_s"] > 0 and run["first_step_s"] > 0 and run["eval_tau"] >= 1.0
         assert run["planned_peak_gib"] > 0 and run["drafter_params"] > 0
     assert report["extract"]["rows"] > 0 and report["extract"]["dtype"] == "float32"

@@ -128,14 +128,23 @@ class Plan:
 def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_params: int, unit_params: int,
               cuda: bool = True, world: int = 1, fsdp: bool = False, gradient_checkpointing: bool = False,
               features_cache: bool = False, backend: str | None = None,
-              chunks: list[tuple[int, int]] | None = None) -> Plan:
-    """Peak bytes per rank of one training step and what makes them up."""
+              chunks: list[tuple[int, int]] | None = None, target_shards: int = 1, target_layer_params: int = 0,
+              target_largest_layer: int = 0) -> Plan:
+    """Peak bytes per rank of one training step and what makes them up. `target_shards` > 1: the
+    target's decoder layers (`target_layer_params` in all) sharded over that many ranks, one
+    layer (and the next, prefetched) gathered whole at a time (--target-fsdp)."""
     c = 2 if cuda else 4  # bf16 autocast on CUDA; fp32 on the CPU
     c_t = c  # the frozen target's dtype (target_files.default_dtype)
     backend = backend or ("flex" if cuda else "chunked")
     shard = world if fsdp else 1
     p = Plan()
-    p.parts["target"] = (head_only_params if features_cache else target_params) * c_t
+    if features_cache:
+        p.parts["target"] = head_only_params * c_t
+    elif target_shards > 1:
+        p.parts["target"] = (target_params - target_layer_params + target_layer_params // target_shards) * c_t
+        p.parts["target gathers"] = 2 * target_largest_layer * c_t
+    else:
+        p.parts["target"] = target_params * c_t
     p.parts["drafter"] = drafter_params * 4 // shard
     p.parts["gradients"] = drafter_params * 4 // shard
     p.parts["optimizer"] = 2 * drafter_params * 4 // shard
@@ -160,7 +169,8 @@ def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_p
     p.parts["loss chunk"] = loss_chunk_bytes(s, c_t)
     backward = per_layer // 2 + p.parts["loss chunk"]  # one layer's gradients in flight
     p.parts["backward transient"] = backward
-    static = sum(p.parts[k] for k in ("target", "drafter", "gradients", "optimizer")) + p.parts.get("fsdp gathers", 0)
+    static = (sum(p.parts[k] for k in ("target", "drafter", "gradients", "optimizer")) + p.parts.get("fsdp gathers", 0)
+              + p.parts.get("target gathers", 0))
     drafter_side = (p.parts["activations"] + labels + p.parts["block inputs"] + p.parts["masks"]
                     + max(p.parts["loss chunk"], backward))
     if not features_cache:
@@ -186,10 +196,14 @@ def target_sizes(target_config) -> dict:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(target_config)
     tc = getattr(target_config, "text_config", None) or target_config
+    from .target import find_decoder_layers
+
     head = model.get_output_embeddings().weight
     emb = model.get_input_embeddings().weight
     head_only = emb.numel() + (0 if head is emb else head.numel())
-    return {"params": count_params(model), "head_only": head_only, "hidden": int(tc.hidden_size),
+    layers = [count_params(x) for x in find_decoder_layers(model, int(tc.num_hidden_layers))]
+    return {"params": count_params(model), "head_only": head_only, "layer_params": sum(layers),
+            "largest_layer": max(layers), "hidden": int(tc.hidden_size),
             "intermediate": int(getattr(tc, "intermediate_size", 4 * tc.hidden_size)), "vocab": int(head.shape[0]),
             "layers": int(tc.num_hidden_layers)}
 
@@ -231,7 +245,9 @@ def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids
     tr = run.train
     p = step_plan(s, target_params=t["params"], head_only_params=t["head_only"], drafter_params=d["params"],
                   unit_params=d["unit"], cuda=cuda, world=world, fsdp=tr.fsdp and world > 1,
-                  gradient_checkpointing=tr.gradient_checkpointing, features_cache=bool(run.data.features_cache))
+                  gradient_checkpointing=tr.gradient_checkpointing, features_cache=bool(run.data.features_cache),
+                  target_shards=world if run.target.target_fsdp else 1, target_layer_params=t["layer_params"],
+                  target_largest_layer=t["largest_layer"])
     p.notes.append(f"{rows} rows x {L} tokens per micro-batch, {s.blocks} blocks of {B}, drafter "
                    f"{d['params'] / 1e9:.2f}B params, target {t['params'] / 1e9:.2f}B")
     return p

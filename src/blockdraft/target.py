@@ -108,26 +108,35 @@ class TargetModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
                         num_features: int = 5, dtype: torch.dtype | None = None, device: str | None = None,
-                        mask_token_id: int | None = None, **model_kwargs) -> "TargetModel":
+                        mask_token_id: int | None = None, shard: bool = False, **model_kwargs) -> "TargetModel":
+        """`shard`: the decoder layers sharded over this process group (target_shard, --target-fsdp)."""
         from transformers import AutoModelForCausalLM
 
         if dtype is None:
             dtype = default_dtype(device)
         if is_random(path):
             return cls.random(str(path), layer_ids=layer_ids, num_features=num_features, dtype=dtype, device=device,
-                              mask_token_id=mask_token_id)
+                              mask_token_id=mask_token_id, shard=shard)
         local, name = resolve_target(path)
         spread = model_kwargs.get("device_map") is not None
-        if not spread:
-            model_kwargs.pop("device_map", None)
-            if device is not None:  # loaded straight onto its device, not staged in host RAM first
-                model_kwargs["device_map"] = {"": str(device)}
-        model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, **model_kwargs)
+        if shard:
+            if spread:
+                raise ValueError("--target-fsdp and --target-device-map both place the target: use one")
+            from .target_shard import load_sharded
+
+            model = load_sharded(local, dtype=dtype, device=device or "cpu")
+        else:
+            if not spread:
+                model_kwargs.pop("device_map", None)
+                if device is not None:  # loaded straight onto its device, not staged in host RAM first
+                    model_kwargs["device_map"] = {"": str(device)}
+            model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, **model_kwargs)
         tok = load_tokenizer(local)
         # a spread model (device_map) hands its outputs to the drafter's device
         target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id,
                      output_device=(device or "cpu") if spread else None)
         target.local_dir = local
+        target.sharded = shard  # its forward is then a collective: every rank runs the same ones
         return target
 
     @classmethod
@@ -173,18 +182,27 @@ class TargetModel(nn.Module):
     @classmethod
     def random(cls, spec: str, *, layer_ids: list[int] | None = None, num_features: int = 5,
                dtype: torch.dtype | None = None, device: str | None = None,
-               mask_token_id: int | None = None) -> "TargetModel":
+               mask_token_id: int | None = None, shard: bool = False) -> "TargetModel":
         """`random:NAME` (blockdraft.tiny.RANDOM_PRESETS): a random target of a real shape built on
-        `device`, with SmolLM2's tokenizer; no files, no download."""
+        `device`, with SmolLM2's tokenizer; no files, no download. `shard`: built by rank 0 and
+        sharded over the process group (target_shard)."""
         from .tiny import random_target_model
 
         local, _ = resolve_target("smollm2")
         tok = load_tokenizer(local)
-        model = random_target_model(spec, device=device, dtype=dtype or default_dtype(device))
+        dtype = dtype or default_dtype(device)
+        if shard:
+            from .target_shard import load_sharded
+
+            model = load_sharded(None, dtype=dtype, device=device or "cpu",
+                                 build=lambda dev: random_target_model(spec, device=dev, dtype=dtype))
+        else:
+            model = random_target_model(spec, device=device, dtype=dtype)
         if model.get_output_embeddings().weight.shape[0] < len(tok):
             raise ValueError(f"{spec}: its vocabulary is smaller than the tokenizer's")
         target = cls(model, tok, layer_ids, num_features=num_features, name=spec, mask_token_id=mask_token_id)
         target.local_dir = None
+        target.sharded = shard
         return target
 
     # -------------------------------------------------------------- checks

@@ -94,6 +94,8 @@ class TargetOptions:
                                               "or a JSON object (inline or a file) of module -> device, as "
                                               "transformers' device_map", metavar="MAP")
     offload_folder: str | None = opt(None, "where 'disk' entries of --target-device-map live")
+    target_fsdp: bool = opt(False, "under torchrun: shard the frozen target's decoder layers over the ranks (FSDP2): "
+                                   "each rank holds about 1/N of them and gathers one layer at a time")
     num_features: int = opt(5, "target layers whose outputs feed the drafter, spread uniformly (clause 1)")
     layer_ids: list[int] | None = opt(None, "explicit target layer ids instead (0-based decoder-layer outputs), "
                                             "comma-separated", metavar="IDS")

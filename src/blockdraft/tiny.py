@@ -78,6 +78,13 @@ RANDOM_PRESETS = {
 RANDOM_PREFIX = "random:"
 
 
+def own_rng(device=None):
+    """A context whose random draws leave the global generators (CPU, and `device`'s if CUDA) as they were."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    return torch.random.fork_rng(devices=cuda)
+
+
 def random_preset(spec: str) -> dict:
     """The shape of `random:NAME`, or a ValueError naming the presets."""
     name = str(spec)[len(RANDOM_PREFIX):]
@@ -93,7 +100,8 @@ def random_target_model(spec: str, *, device=None, dtype: torch.dtype | None = N
     up so that greedy decoding has clear winners (no near-ties for bf16 to flip)."""
     kw = random_preset(spec)
     arch = kw.pop("arch")
-    model = tiny_causal_lm(arch, seed=seed, device=device, dtype=dtype, **kw)
+    with own_rng(device):  # the caller's random state is untouched, so rank 0 building it and a rank
+        model = tiny_causal_lm(arch, seed=seed, device=device, dtype=dtype, **kw)  # on meta stay in step
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8)
     model.config._name_or_path = str(spec)

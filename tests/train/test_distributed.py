@@ -290,3 +290,26 @@ def test_an_nccl_group_is_bound_to_the_ranks_gpu_with_a_long_timeout(monkeypatch
     assert seen["backend"] == "gloo" and "device_id" not in seen
     assert seen["timeout"] == datetime.timedelta(minutes=bd.DEFAULT_TIMEOUT_MIN)
     assert bd._COMM_DEVICE == torch.device("cpu")
+
+
+def differing_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        tr = build(out, grad_accum=1)
+        if rank == 1:  # as a rank whose random state was moved by loading the target would build it
+            with torch.no_grad():
+                tr.drafter.fc.weight.add_(1e-3)
+        try:
+            tr.train()
+            (out / f"r{rank}.txt").write_text("trained")
+        except ValueError as e:
+            (out / f"r{rank}.txt").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_built_different_drafters_are_stopped_before_training(tmp_path):
+    mp.spawn(differing_worker, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    for r in range(2):
+        assert "different initial drafters" in (tmp_path / f"r{r}.txt").read_text()

@@ -112,6 +112,16 @@ def init_context_from_top_feature(drafter, target) -> None:
 
 
 def _init_from_target(drafter, target, opts: DrafterOptions) -> None:
+    """The structured initialisations; a sharded target's top layers are gathered whole for them."""
+    from ..target import find_decoder_layers
+    from ..target_shard import gathered
+
+    top = list(find_decoder_layers(target.model, target.num_layers))[-max(1, opts.draft_layers):]
+    with gathered(top):
+        _init_pieces(drafter, target, opts)
+
+
+def _init_pieces(drafter, target, opts: DrafterOptions) -> None:
     from ..model.drafter import init_from_target_layers
     from ..target import find_decoder_layers
 

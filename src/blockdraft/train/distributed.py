@@ -126,6 +126,17 @@ def all_gather_floats(values: list[float]) -> list[float]:
     return torch.cat(out).tolist()
 
 
+def check_same(value: float, what: str) -> None:
+    """Every rank holds the same `value` (a checksum of what must be identical), or a ValueError
+    naming `what`: ranks that start from different drafters train different models."""
+    if not grouped():
+        return
+    got = all_gather_floats([float(value)])
+    if any(v != got[0] for v in got):
+        raise ValueError(f"the ranks hold different {what} (checksums {got}); every rank must build it from the "
+                         "same seed and files")
+
+
 BUCKET_BYTES = 64 * 2**20
 
 

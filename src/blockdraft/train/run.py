@@ -94,9 +94,11 @@ def load_target(cfg: RunConfig, device: str):
 
     t = cfg.target
     if cfg.data.features_cache:  # the target never runs: only its embedding and head are loaded
+        if t.target_fsdp:
+            print("target: a feature cache loads only the target's embedding and head; --target-fsdp has nothing to shard")
         return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device)
     return TargetModel.from_pretrained(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
-                                       **spread_kwargs(t, device))
+                                       shard=t.target_fsdp, **spread_kwargs(t, device))
 
 
 def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
@@ -110,6 +112,12 @@ def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
         return train_rows, eval_rows, {"train_features": tf, "eval_features": ef}
     train_rows, eval_rows = conversation_rows(target.tokenizer, d, seed)
     train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows)
+    if getattr(target, "sharded", False):
+        # a sharded target's forward is a collective: a rank that found a row in its memo would skip a
+        # forward the others run (use `extract` once instead, and train from the cache)
+        if d.memo_features == "on":
+            print("data: --target-fsdp runs the target every step; --memo-features on is not applied")
+        return train_rows, eval_rows, {}
     if d.memo_features == "on" or (d.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
         # compute the target's outputs once, reuse them every epoch
         return train_rows, eval_rows, {"train_features": FeatureMemo(target, train_rows),
@@ -170,6 +178,9 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
     from ..target import TargetModel
     from .distributed import barrier, init_from_env
 
+    if target_opts.target_fsdp:
+        raise ValueError("extract splits its shards over the ranks, each running the whole target; --target-fsdp "
+                         "is for training (drop it here, or extract with --target-device-map)")
     rank, world_size, device = init_from_env(pick_device(target_opts.device))
     target = TargetModel.from_pretrained(target_opts.target, layer_ids=target_opts.layer_ids,
                                          num_features=target_opts.num_features, device=device,

@@ -19,7 +19,7 @@ import torch
 from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
 from .distributed import (all_gather_floats, all_reduce_mean, all_reduce_sum, average_gradients, barrier,
-                          clip_grad_norm, gradient_sync, grouped, world)
+                          check_same, clip_grad_norm, gradient_sync, grouped, world)
 from .state import load_state, save_state
 from .options import TrainConfig
 from .step import Batch, compute_loss
@@ -143,6 +143,8 @@ class Trainer:
         # outside a process group there is nothing to shard over (under torchrun a group of one GPU
         # still shards, so that one GPU runs FSDP's code path)
         self.fsdp = cfg.fsdp and grouped()
+        # a sharded drafter's or target's forward is a collective: every rank runs the same forwards
+        self.collective_forward = self.fsdp or getattr(target, "sharded", False)
         self.opt = self._optimizer()
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
         self.saved_step = 0  # the step of the last complete checkpoint (0: none yet)
@@ -372,6 +374,8 @@ class Trainer:
             self.drafter.set_feature_scale(self.feature_scale(), keep_function=self.keep_function)
             if lead:
                 (self.out / "metrics.jsonl").write_text("")
+        # replicated and sharded training alike assume one drafter on every rank
+        check_same(sum(float(p.detach().double().sum()) for p in self.drafter.parameters()), "initial drafters")
         if self.fsdp:
             self._shard()
         if lead:
@@ -391,7 +395,7 @@ class Trainer:
                                                                         or step == self.total):
                 bar.set_description("train (evaluating)")
                 last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch,
-                                     self.eval_features, collective_forward=self.fsdp)
+                                     self.eval_features, collective_forward=self.collective_forward)
                 bar.set_description("train")
                 m.update(last_eval)
             if step % self.cfg.log_every == 0 or "eval_tau" in m:
