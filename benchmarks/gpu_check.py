@@ -186,8 +186,6 @@ def part_parity(out: Path, cpu: bool) -> None:
 
 def part_generate(out: Path, cpu: bool, target: str, drafter: str, n_new: int) -> None:
     """Speculative generation with the trained drafter against the target's own greedy decoding."""
-    import torch
-
     from blockdraft.checkpoint import load_drafter
     from blockdraft.generate import speculative_generate
     from blockdraft.generate.baseline import target_greedy

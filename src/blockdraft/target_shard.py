@@ -13,7 +13,6 @@ and one whole layer (DESIGN.md section 5, rule 6).
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 from torch import nn

@@ -11,18 +11,18 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
-from .distributed import (all_gather_floats, all_reduce_mean, all_reduce_sum, average_gradients, barrier,
-                          check_same, clip_grad_norm, gradient_sync, grouped, world)
-from .state import load_state, save_state
+from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
+                          gradient_sync, grouped, world)
+from .evaluate import autocast_for, evaluate, rows_batch  # noqa: F401  (evaluate and rows_batch: imported from here too)
 from .options import TrainConfig
-from .step import Batch, compute_loss
+from .state import load_state, save_state
+from .step import compute_loss
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -35,11 +35,6 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def rows_batch(rows: dict, idx: torch.Tensor) -> Batch:
-    return Batch(rows["input_ids"][idx], rows["loss_mask"][idx], rows["position_ids"][idx],
-                 rows["document_ids"][idx])
-
-
 def feature_scale_from(features: torch.Tensor) -> torch.Tensor:
     """1 / RMS of every feature dimension (the target's outlier dimensions reach RMS ~10^2-10^3)."""
     return 1.0 / features.float().pow(2).mean(dim=(0, 1)).sqrt().clamp(min=1e-2)
@@ -48,76 +43,6 @@ def feature_scale_from(features: torch.Tensor) -> torch.Tensor:
 def rows_per_batch(cfg: TrainConfig, train_rows: dict) -> int:
     """Whole packed rows per micro-batch (training and its held-out evaluation alike)."""
     return max(1, cfg.batch_tokens // train_rows["input_ids"].shape[1])
-
-
-def autocast_for(device: torch.device | str):
-    """The precision training runs at, and evaluation with it: bf16 autocast on CUDA, none elsewhere."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
-
-
-def usable_rows(rows: dict, idx: torch.Tensor, block_size: int) -> bool:
-    """Whether these rows can give a block to learn (a loss-mask token with a supervised slot after
-    it in its document), checked on the host before anything runs."""
-    from .anchors import eligible_anchors
-
-    for r in idx.tolist():
-        if eligible_anchors(rows["document_ids"][r], rows["loss_mask"][r], block_size).any():
-            return True
-    return False
-
-
-def eval_batches(rows: dict, rows_per_batch: int, block_size: int) -> list[torch.Tensor]:
-    """The held-out micro-batches (row indices) that have something to learn."""
-    R = rows["input_ids"].shape[0]
-    out = [torch.arange(s, min(R, s + rows_per_batch)) for s in range(0, R, rows_per_batch)]
-    return [idx for idx in out if usable_rows(rows, idx, block_size)]
-
-
-@torch.no_grad()
-def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int, features=None, *,
-             collective_forward: bool = False) -> dict:
-    """Held-out loss, exact mean accepted length (tau) and per-slot accuracy, with fixed anchors
-    (batch k's from seed 12345 + k), at training's precision.
-
-    Under torch.distributed every rank evaluates its share of the batches (k = rank, rank + W, ...)
-    and one collective sums the results: the same figures as one process, none of the ranks
-    working alone. `collective_forward` (a sharded drafter, whose forward is itself a collective):
-    every rank runs the same number of forwards, the last ones repeated and not counted."""
-    rank, W = world()
-    B = drafter.block_size
-    batches = eval_batches(rows, rows_per_batch, B)
-    mine = list(range(rank, len(batches), W))
-    n_runs = math.ceil(len(batches) / W) if collective_forward else len(mine)
-    drafter.eval()
-    dev = target.device
-    acc = torch.zeros(4 + 2 * B, dtype=torch.float64, device=dev)  # blocks, sum of lengths, loss sum, slots, hits [B], counts [B]
-    with autocast_for(dev):
-        for i in range(n_runs):
-            if not mine:
-                if not batches:
-                    break
-                k, count = 0, False  # this rank has no batch: run one only for the collective's sake
-            else:
-                k, count = (mine[i], True) if i < len(mine) else (mine[-1], False)
-            idx = batches[k]
-            loss, m = compute_loss(target, drafter, rows_batch(rows, idx), max_anchors=cfg.eval_anchors, gamma=cfg.gamma,
-                                   loss=cfg.loss, generator=torch.Generator().manual_seed(12345 + k),
-                                   backend=cfg.backend, cached=features(idx) if features else None,
-                                   sync_metrics=False)
-            if count:
-                t = m["totals"]
-                acc += torch.cat([t["blocks_lengths_loss_slots"], t["slot_hits"], t["slot_counts"]]).to(acc)
-    drafter.train()
-    acc = all_reduce_sum(acc).tolist()
-    blocks, lengths, loss_sum, slots = acc[:4]
-    hits, counts = acc[4:4 + B], acc[4 + B:]
-    if not blocks:
-        return {}
-    return {"eval_tau": lengths / blocks, "eval_loss": loss_sum / slots,
-            "eval_slot_accuracy": [h / max(c, 1.0) for h, c in zip(hits, counts)], "eval_blocks": int(blocks)}
 
 
 class Trainer:
