@@ -6,6 +6,11 @@ device_map spread (2+ GPUs), and the attention backends against the dense refere
     python benchmarks/gpu_check.py --out gpu.json          # every GPU it finds (1 to 8); ~8 min on one H200
     python benchmarks/gpu_check.py --cpu --out cpu.json    # the same parts on 2 gloo processes, tiny shapes
 
+On a GPU machine without the embedded SmolLM2 package (no downloads there), carry its tokenizer:
+    python benchmarks/gpu_check.py --pack-tokenizer .gpu/tokenizer          # here (3.5 MB)
+    python3 benchmarks/gpu_check.py --tokenizer .gpu/tokenizer --out $OUT/gpu.json   # there, .gpu carried
+It needs torch, transformers, accelerate, safetensors and tqdm there, and runs blockdraft from src/.
+
 Each part runs in its own processes with a time limit; a part that fails records its error and
 the others still run. Stored per part: seconds, and for training the first step's time (compile
 included), the later steps' time, tokens/s, the peak memory of every rank, MFU and the memory
@@ -332,6 +337,15 @@ def check(cpu: bool, out_json: str | None, work: Path, gpus: int | None = None) 
     return report
 
 
+def pack_tokenizer(out: Path) -> None:
+    """The tokenizer files of random targets in `out` (small enough to carry to a GPU machine)."""
+    from blockdraft.target_files import random_target_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    random_target_tokenizer().save_pretrained(out)
+    print(f"tokenizer files in {out}: {sorted(p.name for p in out.iterdir())}")
+
+
 def flag(flags: str, name: str) -> int:
     parts = flags.split()
     return int(parts[parts.index(name) + 1])
@@ -372,12 +386,19 @@ def main(argv=None) -> dict | None:
     p.add_argument("--out", default=None, help="write the figures here (JSON)")
     p.add_argument("--work", default=None, help="working directory (default: a temporary one, removed after)")
     p.add_argument("--gpus", type=int, default=None, help="ranks for torchrun (default: every GPU found)")
+    p.add_argument("--tokenizer", default=None, help="a directory of SmolLM2's tokenizer files (see --pack-tokenizer)")
+    p.add_argument("--pack-tokenizer", default=None, metavar="DIR",
+                   help="copy the tokenizer files random targets use into DIR, to carry to a GPU machine")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--target", default=None, help=argparse.SUPPRESS)
     p.add_argument("--drafter", default=None, help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=64, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.tokenizer:  # read by blockdraft.target_files.random_target_tokenizer, here and in every subprocess
+        os.environ["BLOCKDRAFT_TOKENIZER"] = str(Path(a.tokenizer).resolve())
+    if a.pack_tokenizer:
+        return pack_tokenizer(Path(a.pack_tokenizer))
     if a.part == "parity":
         return part_parity(Path(a.part_out), a.cpu)
     if a.part == "generate":

@@ -290,6 +290,24 @@ def test_a_target_is_loaded_straight_onto_its_device_in_its_dtype(tmp_path, monk
     assert t.dtype == torch.float32
 
 
+def test_random_targets_are_built_the_same_and_take_a_carried_tokenizer(tmp_path, monkeypatch, smollm2_dir):
+    """random:tiny builds the same weights every time (every rank of a run, a later head-only load)
+    without moving the caller's random state, and reads SmolLM2's tokenizer from a carried copy of
+    its files when asked ($BLOCKDRAFT_TOKENIZER: a GPU machine has no GGUF to convert)."""
+    a = TargetModel.from_pretrained("random:tiny", device="cpu")
+    state = torch.get_rng_state()
+    b = TargetModel.head_only("random:tiny", device="cpu")
+    assert torch.equal(state, torch.get_rng_state())
+    assert torch.equal(a.model.get_output_embeddings().weight, b.model.get_output_embeddings().weight)
+    a.tokenizer.save_pretrained(tmp_path / "tok")
+    monkeypatch.setenv("BLOCKDRAFT_TOKENIZER", str(tmp_path / "tok"))
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path / "no-cache"))  # nothing converted to fall back on
+    c = TargetModel.from_pretrained("random:tiny", device="cpu")
+    assert c.tokenizer_hash == a.tokenizer_hash and c.mask_token_id == a.mask_token_id == 49152
+    with pytest.raises(ValueError, match="use one of random:qwen3-8b, random:qwen3-0.6b, random:tiny"):
+        TargetModel.from_pretrained("random:nothing", device="cpu")
+
+
 def resolve_tokenizer_dir():
     """A small tokenizer on disk (SmolLM2's, when installed), for a target written in a test."""
     import importlib.util

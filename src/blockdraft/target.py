@@ -186,10 +186,10 @@ class TargetModel(nn.Module):
         """`random:NAME` (blockdraft.tiny.RANDOM_PRESETS): a random target of a real shape built on
         `device`, with SmolLM2's tokenizer; no files, no download. `shard`: built by rank 0 and
         sharded over the process group (target_shard)."""
+        from .target_files import random_target_tokenizer
         from .tiny import random_target_model
 
-        local, _ = resolve_target("smollm2")
-        tok = load_tokenizer(local)
+        tok = random_target_tokenizer()
         dtype = dtype or default_dtype(device)
         if shard:
             from .target_shard import load_sharded

@@ -175,6 +175,19 @@ class TargetFiles:
         return cls(local, name, load_tokenizer(local))
 
 
+def random_target_tokenizer():
+    """The tokenizer of `random:` targets: SmolLM2's, from $BLOCKDRAFT_TOKENIZER (a directory of its
+    files, e.g. carried to a machine without the embedded GGUF), else from the converted cache, else
+    converted now."""
+    where = os.environ.get("BLOCKDRAFT_TOKENIZER")
+    if where:
+        return load_tokenizer(Path(where))
+    cached = cache_dir() / EMBEDDED["smollm2"][2]
+    if (cached / "tokenizer.json").exists():
+        return load_tokenizer(cached)
+    return load_tokenizer(resolve_target("smollm2")[0])
+
+
 def load_tokenizer(local: Path):
     """The tokenizer of a local model directory, or a one-line error saying which files are missing."""
     from transformers import AutoTokenizer
