@@ -144,6 +144,20 @@ def check_engines(drafter) -> Check:
                  + (f" (notes: {notes})" if notes else ""))
 
 
+def check_capture(target) -> Check:
+    """Which serving engines can hand a DFlash drafter this target's hidden states (blockdraft.serving)."""
+    from .serving import vllm_capture
+
+    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    known, source = vllm_capture()
+    if any(a in known for a in archs):
+        return Check("target capture", PASS, f"vLLM can run {archs[0]} as a DFlash target (SupportsEagle3, by {source})")
+    return Check("target capture", WARN, f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks "
+                 f"SupportsEagle3, by {source}): a drafter for it is served by blockdraft or z-lab's dflash, "
+                 "not by vLLM's DFlash proposer",
+                 "train as usual (transformers runs the target); serve with another engine or a vLLM that adds it")
+
+
 def check_data(target, path: str | None) -> Check:
     from .data import load_conversations, render
 
@@ -281,6 +295,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
         _guard("mask", check_mask, d, debug=debug),
         _guard("mask token", check_mask_token, target, d, debug=debug),
         _guard("target family", check_family, target, debug=debug),
+        _guard("target capture", check_capture, target, debug=debug),
         _guard("data", check_data, target, data, debug=debug),
         _guard("greedy identity", check_greedy, target, d, ids, debug=debug),
     ]
