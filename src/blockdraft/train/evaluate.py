@@ -55,8 +55,8 @@ def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int,
 
     Under torch.distributed every rank evaluates its share of the batches (k = rank, rank + W, ...)
     and one collective sums the results: the same figures as one process, none of the ranks
-    working alone. `collective_forward` (a sharded drafter, whose forward is itself a collective):
-    every rank runs the same number of forwards, the last ones repeated and not counted."""
+    working alone. `collective_forward` (a sharded drafter or target, whose forward is itself a
+    collective): every rank runs the same number of forwards, the last ones repeated and not counted."""
     rank, W = world()
     B = drafter.block_size
     batches = eval_batches(rows, rows_per_batch, B)
