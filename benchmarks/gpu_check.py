@@ -49,7 +49,7 @@ MODES = {
     "cpu": dict(target="random:tiny", conversations=160, extract_conversations=40, steps=3, nproc=2,
                 flags="--max-length 256 --draft-layers 1 --block-size 8 --max-anchors 16 --batch-tokens 512 "
                       "--grad-accum 1 --threads 1 --device cpu",
-                rows_per_micro=2, grad_accum=1, gen_tokens=24, timeout=240),
+                rows_per_micro=2, grad_accum=1, gen_tokens=24, timeout=600),
 }
 
 
@@ -61,14 +61,24 @@ def env() -> dict:
     return e
 
 
-def run(cmd: list[str], log: Path, timeout: float) -> None:
+# a launch that failed on its own rendezvous (a port taken between choosing and binding it) is rerun once
+RENDEZVOUS_ERRORS = ("Address already in use", "EADDRINUSE", "failed to listen", "DistNetworkError",
+                     "RendezvousConnectionError")
+
+
+def run(cmd: list[str], log: Path, timeout: float, tries: int = 2) -> None:
     """Run a command, its output to `log`; raise with the log's tail if it fails or outruns `timeout`."""
-    with open(log, "w") as f:
-        try:
-            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), timeout=timeout, cwd=ROOT)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{tail(log)}") from None
-    if p.returncode:
+    for attempt in range(tries):
+        with open(log, "w") as f:
+            try:
+                p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), timeout=timeout, cwd=ROOT)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{tail(log)}") from None
+        if not p.returncode:
+            return
+        if attempt + 1 < tries and any(e in tail(log, 20000) for e in RENDEZVOUS_ERRORS):
+            print(f"gpu_check: rendezvous failed, rerunning once: {' '.join(cmd)}", flush=True)
+            continue
         raise RuntimeError(f"exit {p.returncode}: {' '.join(cmd)}\n{tail(log)}")
 
 
