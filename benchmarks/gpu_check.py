@@ -140,14 +140,12 @@ def planned_peak_gib(target: str, flags: str, world: int, cuda: bool, fsdp: bool
     import memory_plan
 
     from blockdraft.plan import plan_run
-    from blockdraft.tiny import random_preset
+    from blockdraft.tiny import random_config
 
-    shape = random_preset(target)
-    shape.setdefault("head_dim", shape["hidden"] // shape["heads"])
     extra = ((" --fsdp" if fsdp else "") + (" --features-cache CACHE" if cache else "")
              + (" --target-fsdp" if target_fsdp else ""))
-    run_cfg = memory_plan.run_config(" ".join(f for f in flags.split() if f) + extra)
-    return plan_run(memory_plan.config_of(shape), run_cfg, world=world, cuda=cuda).peak / 2**30
+    run_cfg = memory_plan.run_config(flags + extra)
+    return plan_run(random_config(target), run_cfg, world=world, cuda=cuda).peak / 2**30
 
 
 # --------------------------------------------------------------------------- parts in subprocesses
@@ -379,15 +377,10 @@ def params_of(drafter_dir: Path) -> int:
 
 def model_sizes(target: str) -> dict:
     """Parameter count, hidden size and vocabulary of a random target (from its config alone)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import memory_plan
-
     from blockdraft.plan import target_sizes
-    from blockdraft.tiny import random_preset
+    from blockdraft.tiny import random_config
 
-    shape = random_preset(target)
-    shape.setdefault("head_dim", shape["hidden"] // shape["heads"])
-    return target_sizes(memory_plan.config_of(shape))
+    return target_sizes(random_config(target))
 
 
 def main(argv=None) -> dict | None:

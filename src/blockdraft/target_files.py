@@ -47,7 +47,9 @@ def _gguf_to_safetensors(gguf_path: Path, out: Path) -> Path:
 
 def is_random(name_or_path) -> bool:
     """`random:NAME`: a random target of a real shape built in code (blockdraft.tiny.RANDOM_PRESETS)."""
-    return str(name_or_path).startswith("random:")
+    from .tiny import RANDOM_PREFIX
+
+    return str(name_or_path).startswith(RANDOM_PREFIX)
 
 
 def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:

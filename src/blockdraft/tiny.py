@@ -13,15 +13,12 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
 
 
-def tiny_causal_lm(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 32, heads: int = 4,
-                   kv_heads: int = 2, intermediate: int | None = None, seed: int = 0, max_positions: int = 512,
-                   head_dim: int | None = None, device=None, dtype: torch.dtype | None = None):
-    """A randomly initialised transformers causal LM of the given family (eval mode; fp32 on the CPU
-    unless `device`/`dtype` say otherwise: it is built there, nothing staged on the host). Norm
-    weights are random too (not ones or zeros), so a missing, doubled or re-implemented norm shows."""
+def tiny_config(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 32, heads: int = 4,
+                kv_heads: int = 2, intermediate: int | None = None, max_positions: int = 512,
+                head_dim: int | None = None):
+    """(transformers config, model class) of a tiny target of the given family."""
     import transformers as tf
 
-    torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=max_positions)
@@ -50,6 +47,16 @@ def tiny_causal_lm(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int 
             cfg, cls = tf.Qwen3_5TextConfig(**common, **linear), tf.Qwen3_5ForCausalLM
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS + HYBRID_ARCHS}")
+    return cfg, cls
+
+
+def tiny_causal_lm(arch: str, *, seed: int = 0, device=None, dtype: torch.dtype | None = None, **shape):
+    """A randomly initialised transformers causal LM of the given family and `shape` (tiny_config's
+    keywords; eval mode; fp32 on the CPU unless `device`/`dtype` say otherwise: it is built there,
+    nothing staged on the host). Norm weights are random too (not ones or zeros), so a missing,
+    doubled or re-implemented norm shows."""
+    cfg, cls = tiny_config(arch, **shape)
+    torch.manual_seed(seed)
     with torch.device(device or "cpu"):
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype or torch.float32)
@@ -92,6 +99,12 @@ def random_preset(spec: str) -> dict:
         raise ValueError(f"unknown random target {spec!r}; use one of "
                          + ", ".join(RANDOM_PREFIX + k for k in RANDOM_PRESETS))
     return dict(RANDOM_PRESETS[name])
+
+
+def random_config(spec: str):
+    """The transformers config of `random:NAME` (what the memory plan and MFU are computed from)."""
+    kw = random_preset(spec)
+    return tiny_config(kw.pop("arch"), **kw)[0]
 
 
 def random_target_model(spec: str, *, device=None, dtype: torch.dtype | None = None, seed: int = 0):

@@ -107,15 +107,6 @@ def all_reduce_mean(values: dict) -> dict:
     return out
 
 
-def all_reduce_max(values: list[float]) -> list[float]:
-    """Element-wise maximum over ranks (peak memory, step times)."""
-    if not grouped():
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def all_gather_floats(values: list[float]) -> list[float]:
     """Every rank's `values`, concatenated in rank order (one value per rank: a per-rank figure)."""
     if not grouped():
@@ -126,11 +117,13 @@ def all_gather_floats(values: list[float]) -> list[float]:
     return torch.cat(out).tolist()
 
 
-def check_same(value: float, what: str) -> None:
-    """Every rank holds the same `value` (a checksum of what must be identical), or a ValueError
-    naming `what`: ranks that start from different drafters train different models."""
+def check_same(tensors, what: str) -> None:
+    """Every rank holds the same `tensors` (compared by a float64 checksum), or a ValueError naming
+    `what`: ranks that start from different drafters train different models. One host read; nothing
+    at all outside a process group."""
     if not grouped():
         return
+    value = torch.stack([t.detach().double().sum() for t in tensors]).sum()
     got = all_gather_floats([float(value)])
     if any(v != got[0] for v in got):
         raise ValueError(f"the ranks hold different {what} (checksums {got}); every rank must build it from the "
@@ -143,10 +136,10 @@ BUCKET_BYTES = 64 * 2**20
 def average_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> int:
     """DDP-style mean of gradients over ranks, in flat buckets of about `bucket_bytes` (one
     collective per bucket, not one per parameter). Returns the number of collectives issued."""
-    r, w = world()
     grads = [p.grad for p in params if p.grad is not None]
     if not grouped() or not grads:
         return 0
+    w = world()[1]
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
@@ -169,8 +162,7 @@ def average_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> int:
         for g in bucket:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-    calls = len(buckets)
-    return calls
+    return len(buckets)
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
@@ -179,7 +171,7 @@ def clip_grad_norm(params, max_norm: float) -> float:
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
     full = getattr(norm, "full_tensor", None)
-    if full is not None:  # a DTensor (Partial): the sum over shards
+    if full is not None:  # a DTensor: the whole norm (torch 2.13 already makes it Replicate; older ones Partial)
         norm = full()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
