@@ -7,6 +7,8 @@ import torch
 
 from blockdraft.config import default_target_layer_ids
 from blockdraft.target import TargetModel, hidden_states_index, layer_id_from_hidden_states_index
+from blockdraft.family import final_norm
+from blockdraft.tiny import ALL_ARCHS
 from conftest import ARCHS, V, tiny_causal_lm, tiny_target
 
 
@@ -34,7 +36,7 @@ def test_hidden_states_index_is_the_one_plus_one():
     assert hidden_states_index(0) == 1 and layer_id_from_hidden_states_index(hidden_states_index(7)) == 7
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_features_equal_output_hidden_states(arch):
     t = tiny_target(arch, num_features=3)
     ids = torch.randint(0, V - 1, (2, 24))
@@ -47,7 +49,7 @@ def test_features_equal_output_hidden_states(arch):
 
 
 @pytest.mark.parametrize("mask_keep", [True, False])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_logits_equal_the_models_own_logits(arch, mask_keep, monkeypatch):
     """Also with a transformers too old for a boolean logits_to_keep (the reference packages pin one)."""
     import blockdraft.target as bt
@@ -65,16 +67,22 @@ def test_logits_equal_the_models_own_logits(arch, mask_keep, monkeypatch):
     torch.testing.assert_close(t(ids, logits_mask=keep).logits, ref[keep], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_head_on_the_final_normed_state_gives_the_logits(arch):
-    """What an offline cache stores (the final normed state) + the target head = the logits: one norm, never two."""
+    """What an offline cache stores (the final normed state) + the target head = the logits: one norm,
+    never two, and the family's own logit scale (Granite's logits_scaling, Cohere's logit_scale,
+    Falcon-H1's lm_head_multiplier, Gemma's soft-capping) applied once."""
     t = tiny_target(arch)
     ids = torch.randint(0, V - 1, (1, 16))
+    out = t(ids, return_final_hidden=True)
     last = t.model.model(ids).last_hidden_state
+    torch.testing.assert_close(out.final_hidden, last, rtol=0, atol=0)
     ref = t.model(ids).logits
     torch.testing.assert_close(t.head(last), ref, rtol=1e-6, atol=1e-6)
+    rows = torch.tensor([3, 17, 40, 99])  # a draft vocabulary's rows: the same logits, picked
+    torch.testing.assert_close(t.head(last, rows), ref[..., rows], rtol=1e-6, atol=1e-6)
     # a doubled norm is visibly wrong, so the comparison above has teeth
-    assert not torch.allclose(t.head(t.model.model.norm(last)), ref, atol=1e-3)
+    assert not torch.allclose(t.head(final_norm(t.model)(last)), ref, atol=1e-3)
 
 
 def test_hooks_only_on_the_chosen_layers_and_nothing_kept():

@@ -70,7 +70,17 @@ def check_labels(target, drafter, sample_ids: torch.Tensor) -> Check:
     if err > 1e-3 * max(1.0, scale):
         return Check("labels", FAIL, f"training labels differ from the target's own logits by {err:.3g}",
                      "labels must be the target's final-norm + head output at position a+k-1 (clause 3)")
-    return Check("labels", PASS, f"labels equal model(input_ids).logits at a+k-1 (max diff {err:.2g})")
+    # a feature cache stores the final normed state and scores it with target.head (the drafter's
+    # logits too): that must be the model's own logits, its logit scale or soft-cap included
+    with torch.no_grad():
+        final = target(ids.to(target.device), return_final_hidden=True).final_hidden[0]
+        head_err = (target.head(final) - ref).abs().max().item()
+    if head_err > 1e-3 * max(1.0, scale):
+        return Check("labels", FAIL, f"the target's head on its final normed state differs from its logits by "
+                     f"{head_err:.3g}: this family scales or caps its logits in a way blockdraft does not apply",
+                     "report the family (blockdraft.family.logit_transform)")
+    return Check("labels", PASS, f"labels equal model(input_ids).logits at a+k-1 (max diff {err:.2g}), and so does "
+                 f"the head on the cached final state ({head_err:.2g})")
 
 
 def check_mask(drafter) -> Check:
@@ -122,10 +132,9 @@ def check_family(target) -> Check:
     from .family import describe
 
     fam = describe(target.model)
-    if fam.norm_rule == "not an RMSNorm":
-        return Check("target family", WARN, fam.summary(), "start the drafter's output norm small "
-                     "(--final-norm-init small): blockdraft cannot copy this norm")
     note = "" if fam.mlp_activation == "silu" else f"; its {fam.mlp_activation} MLP is not copied into the drafter"
+    if fam.norm_rule in ("not an RMSNorm", "none"):  # train falls back by itself, and says so
+        note += "; its final norm is not an RMSNorm to copy: the drafter's output norm starts small (0.1)"
     return Check("target family", PASS, fam.summary() + note)
 
 

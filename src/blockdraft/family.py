@@ -56,13 +56,64 @@ def rms_norm_scale(norm: nn.Module) -> torch.Tensor | None:
 
 
 def pre_mlp_norm(layer: nn.Module) -> nn.Module | None:
-    """The norm in front of a decoder layer's MLP (Gemma: pre_feedforward_layernorm; Llama, Qwen:
-    post_attention_layernorm, which in Gemma instead normalises the attention output)."""
-    return getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "post_attention_layernorm", None)
+    """The norm in front of a decoder layer's MLP (Gemma: pre_feedforward_layernorm; Falcon-H1:
+    pre_ff_layernorm; Llama, Qwen, GLM-4: post_attention_layernorm). A layer that also normalises
+    its MLP's output (post_feedforward_layernorm: Gemma, OLMo-2) uses post_attention_layernorm on
+    the attention output instead, so OLMo-2's post-norm layers have none."""
+    for name in ("pre_feedforward_layernorm", "pre_ff_layernorm"):
+        norm = getattr(layer, name, None)
+        if norm is not None:
+            return norm
+    if getattr(layer, "post_feedforward_layernorm", None) is not None:
+        return None
+    return getattr(layer, "post_attention_layernorm", None)
+
+
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "norm_f", "ln_f", "final_norm")
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm a causal LM's base applies after its last decoder layer (Llama: model.norm,
+    Falcon-H1: final_layernorm, Nemotron-H: norm_f), or None."""
+    base = getattr(model, "model", model)
+    base = getattr(base, "language_model", base)
+    for name in FINAL_NORM_NAMES:
+        mod = getattr(base, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    return None
+
+
+def logit_transform(config) -> tuple[float, float, float | None]:
+    """(multiplier, divisor, soft-cap) that the family's forward applies to lm_head's output:
+    Granite divides by logits_scaling, Cohere multiplies by logit_scale, Falcon-H1 by
+    lm_head_multiplier, Gemma soft-caps. `output_logits` applies them in the model's order."""
+    tc = getattr(config, "text_config", None) or config
+    mul = 1.0
+    for name in ("logit_scale", "lm_head_multiplier"):
+        v = getattr(tc, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            mul *= float(v)
+    div = getattr(tc, "logits_scaling", None)
+    div = float(div) if isinstance(div, (int, float)) and not isinstance(div, bool) else 1.0
+    cap = getattr(tc, "final_logit_softcapping", None)
+    return mul, div, (float(cap) if cap else None)
+
+
+def output_logits(logits: torch.Tensor, transform: tuple[float, float, float | None]) -> torch.Tensor:
+    """lm_head's output -> the model's logits, as its own forward computes them."""
+    mul, div, cap = transform
+    if mul != 1.0:
+        logits = logits * mul
+    if div != 1.0:
+        logits = logits / div
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def mlp_activation(config) -> str | None:
-    for name in ("hidden_activation", "hidden_act"):
+    for name in ("hidden_activation", "mlp_hidden_act", "hidden_act"):
         v = getattr(config, name, None)
         if v:
             return str(v)
@@ -86,20 +137,26 @@ def embedding_scale(model: nn.Module) -> float:
 class Family:
     """A target's quirks as measured."""
 
-    norm_rule: str  # "w", "1 + w" or "not an RMSNorm"
+    norm_rule: str  # "w", "1 + w", "not an RMSNorm" or "none"
     embedding_scale: float
     logit_softcapping: float | None
     mlp_activation: str | None
     rope: str
+    logit_scale: float = 1.0  # what the forward multiplies lm_head's output by (Granite 1 / logits_scaling)
+    recurrent: bool = False  # Mamba / linear-attention layers: state a cache crop cannot undo
 
     def summary(self) -> str:
         cap = f", logit soft-capping {self.logit_softcapping}" if self.logit_softcapping else ""
-        return (f"final norm scales by {self.norm_rule}, embedding x{self.embedding_scale:.3g}{cap}, "
-                f"MLP {self.mlp_activation}, rope {self.rope}")
+        scale = f", logits x{self.logit_scale:.3g}" if self.logit_scale != 1.0 else ""
+        rec = ", recurrent layers (their state is snapshotted around each verify)" if self.recurrent else ""
+        return (f"final norm scales by {self.norm_rule}, embedding x{self.embedding_scale:.3g}{cap}{scale}, "
+                f"MLP {self.mlp_activation}, rope {self.rope}{rec}")
 
 
 def norm_rule(norm: nn.Module | None) -> str:
-    s = None if norm is None else rms_norm_scale(norm)
+    if norm is None:
+        return "none"
+    s = rms_norm_scale(norm)
     w = None if norm is None else _weight(norm)
     if s is None or w is None:
         return "not an RMSNorm"
@@ -109,11 +166,22 @@ def norm_rule(norm: nn.Module | None) -> str:
 
 def describe(model: nn.Module) -> Family:
     tc = getattr(model.config, "text_config", None) or model.config
-    base = getattr(model, "model", None)
     rp = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
         rope = ", ".join(sorted({str(v.get("rope_type", "default")) for v in rp.values()}))
     else:
         rope = str(rp.get("rope_type", "default")) if isinstance(rp, dict) else "default"
-    return Family(norm_rule(getattr(base, "norm", None)), embedding_scale(model),
-                  getattr(tc, "final_logit_softcapping", None), mlp_activation(tc), rope)
+    mul, div, cap = logit_transform(tc)
+    return Family(norm_rule(final_norm(model)), embedding_scale(model), cap, mlp_activation(tc), rope,
+                  logit_scale=mul / div, recurrent=has_recurrent_layers(tc))
+
+
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "hybrid", "hybrid_sliding", "conv")
+
+
+def has_recurrent_layers(config) -> bool:
+    """Whether some decoder layers keep a recurrent (Mamba, DeltaNet) or convolution state, by the
+    layer types transformers' cache is built from."""
+    tc = getattr(config, "text_config", None) or config
+    types = getattr(tc, "layer_types", None) or []
+    return any(t in RECURRENT_LAYER_TYPES for t in types)

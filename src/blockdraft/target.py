@@ -24,6 +24,7 @@ from .config import default_target_layer_ids, validate_layer_ids
 from .target_files import (EMBEDDED, SPREAD_NAMES, TargetFiles, TargetOptions, _special_ids,  # noqa: F401
                            cache_dir, default_dtype, is_random, load_tokenizer, pick_device, pick_mask_token, resolve_target, spread_kwargs,
                            stop_token_ids, target_num_layers, tokenizer_hash)
+from .family import logit_transform, output_logits
 from .model.linear import few_rows_linear, use_few_rows_linears
 
 
@@ -335,8 +336,10 @@ class TargetModel(nn.Module):
         return cached[1]
 
     def head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's lm_head (+ final logit soft-capping where the model has it); with `rows`,
-        only those vocabulary rows ([..., len(rows)] logits: a draft vocabulary)."""
+        """The target's lm_head and what its forward does to the head's output (soft-capping,
+        Granite's logits_scaling, Cohere's logit_scale: family.output_logits), so that
+        head(final_hidden) == logits; with `rows`, only those vocabulary rows ([..., len(rows)]
+        logits: a draft vocabulary)."""
         out = self.model.get_output_embeddings()
         home, hidden = hidden.device, hidden.to(out.weight.device)  # differ for a spread model
         if rows is None:
@@ -345,7 +348,4 @@ class TargetModel(nn.Module):
             rows = rows.to(out.weight.device)
             bias = None if getattr(out, "bias", None) is None else out.bias[rows]
             logits = few_rows_linear(hidden, self._head_rows(out.weight, rows), bias)
-        cap = getattr(text_config(self.model), "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.to(home)
+        return output_logits(logits, logit_transform(self.model.config)).to(home)

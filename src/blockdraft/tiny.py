@@ -11,18 +11,32 @@ import torch
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 # hybrid linear/full-attention families with (1 + w) norms; slower on CPU, so only where asked for
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
+# every other family people train drafters for: mixtures of experts, multipliers and logit scales,
+# LayerNorm, MLA, attention sinks, chunked attention and NoPE layers
+MORE_ARCHS = ("qwen3_moe", "mixtral", "phi3", "olmo2", "granite", "cohere", "glm4", "glm4_moe", "deepseek_v3",
+              "gpt_oss", "minimax_m2", "llama4")
+# hybrids whose recurrent layers are Mamba-2 mixers
+MAMBA_ARCHS = ("nemotron_h", "falcon_h1")
+# families with recurrent layers: a cropped cache does not undo their state (generate/recurrent.py)
+RECURRENT_ARCHS = HYBRID_ARCHS + MAMBA_ARCHS
+ALL_ARCHS = ARCHS + HYBRID_ARCHS + MORE_ARCHS + MAMBA_ARCHS
+# norms that scale by 1 + w (around 0 when random); the gated norm inside a DeltaNet scales by w
+_ONE_PLUS_W = ("gemma2", "gemma3", "qwen3_next", "qwen3_5")
 
 
 def tiny_config(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 32, heads: int = 4,
                 kv_heads: int = 2, intermediate: int | None = None, max_positions: int = 512,
                 head_dim: int | None = None):
-    """(transformers config, model class) of a tiny target of the given family."""
+    """(transformers config, model class) of a tiny target of the given family. Each family keeps
+    the quirk it is known for switched on and small enough to matter in a short test: a sliding
+    window or attention chunk of 8-16 tokens, soft-capping, multipliers and logit scales far from 1."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=max_positions)
     hd = head_dim or hidden // heads
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=hidden)
     if arch == "llama":
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif arch == "qwen2":
@@ -45,8 +59,67 @@ def tiny_config(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 3
             cls = tf.Qwen3NextForCausalLM
         else:
             cfg, cls = tf.Qwen3_5TextConfig(**common, **linear), tf.Qwen3_5ForCausalLM
+    elif arch == "qwen3_moe":
+        cfg, cls = tf.Qwen3MoeConfig(**common, **moe, head_dim=hd, num_experts=4), tf.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+        cls = tf.MixtralForCausalLM
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj
+        cfg, cls = tf.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.Phi3ForCausalLM
+    elif arch == "olmo2":  # norms after attention and MLP (none before), q/k norms over all heads
+        cfg, cls = tf.Olmo2Config(**common, pad_token_id=0, eos_token_id=2), tf.Olmo2ForCausalLM
+    elif arch == "granite":  # muP multipliers; logits divided by logits_scaling
+        cfg = tf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                               logits_scaling=4.0)
+        cls = tf.GraniteForCausalLM
+    elif arch == "cohere":  # LayerNorm (no bias), parallel attention + MLP, logits times logit_scale, tied head
+        cfg = tf.CohereConfig(**common, logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls = tf.CohereForCausalLM
+    elif arch == "glm4":  # sandwich norms, fused gate_up_proj, partial rotary
+        cfg, cls = tf.Glm4Config(**common, head_dim=hd, pad_token_id=0, eos_token_id=2), tf.Glm4ForCausalLM
+    elif arch == "glm4_moe":
+        cfg = tf.Glm4MoeConfig(**common, **moe, head_dim=hd, n_routed_experts=4, n_shared_experts=1,
+                               first_k_dense_replace=1, use_qk_norm=True)
+        cls = tf.Glm4MoeForCausalLM
+    elif arch == "deepseek_v3":  # multi-head latent attention, MoE after the first layer
+        cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": heads}, **moe, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
+                                  first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+                                  qk_nope_head_dim=hd, v_head_dim=hd, head_dim=4)
+        cls = tf.DeepseekV3ForCausalLM
+    elif arch == "gpt_oss":  # attention sinks, sliding and full layers alternating, MoE
+        cfg = tf.GptOssConfig(**common, head_dim=hd, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                              rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=max_positions / 64,
+                                                   original_max_position_embeddings=64, beta_fast=32.0,
+                                                   beta_slow=1.0, truncate=False))
+        cls = tf.GptOssForCausalLM
+    elif arch == "minimax_m2":
+        cfg = tf.MiniMaxM2Config(**common, head_dim=hd, num_local_experts=4, num_experts_per_tok=2, bos_token_id=1,
+                                 eos_token_id=2)
+        cls = tf.MiniMaxM2ForCausalLM
+    elif arch == "llama4":  # chunked attention on the rope layers, every 4th layer NoPE, MoE every other layer
+        cfg = tf.Llama4TextConfig(**common, head_dim=hd, intermediate_size_mlp=2 * hidden, num_local_experts=4,
+                                  num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8,
+                                  no_rope_layer_interval=4)
+        cls = tf.Llama4ForCausalLM
+    elif arch == "nemotron_h":  # Mamba-2, attention and MLP layers, each its own block
+        pattern = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
+        cfg = tf.NemotronHConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                                 layers_block_type=[pattern[i % len(pattern)] for i in range(layers)],
+                                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
+                                 max_position_embeddings=max_positions, mamba_num_heads=4, mamba_head_dim=hd,
+                                 ssm_state_size=8, n_groups=2, chunk_size=8,
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls = tf.NemotronHForCausalLM
+    elif arch == "falcon_h1":  # attention and Mamba-2 side by side in every layer, muP multipliers
+        cfg = tf.FalconH1Config(**common, head_dim=hd, mamba_d_ssm=2 * hidden, mamba_n_heads=4, mamba_d_head=2 * hidden // 4,
+                                mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=True,
+                                embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.7,
+                                attention_in_multiplier=1.3, attention_out_multiplier=0.8, mlp_multipliers=[1.2, 0.9],
+                                ssm_multipliers=[0.8, 1.1, 0.9, 1.2, 1.0], ssm_in_multiplier=1.1, ssm_out_multiplier=0.9,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls = tf.FalconH1ForCausalLM
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS + HYBRID_ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")
     return cfg, cls
 
 
@@ -123,8 +196,8 @@ def random_target_model(spec: str, *, device=None, dtype: torch.dtype | None = N
 
 def _scales_by_w(param_name: str, arch: str) -> bool:
     """Whether a norm weight multiplies directly (so random weights sit around 1) or as 1 + w (around 0)."""
-    if arch.startswith("gemma"):
-        return False
+    if arch not in _ONE_PLUS_W:
+        return True
     if arch in HYBRID_ARCHS:  # their RMSNorms scale by 1 + w; the gated one inside linear attention by w
         return "linear_attn" in param_name
-    return True
+    return False

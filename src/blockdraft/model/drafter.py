@@ -199,16 +199,60 @@ class ContextCache:
         return self.k[i], self.v[i]
 
 
+def _same_linear(src: nn.Module | None, dst: nn.Module) -> bool:
+    """Whether copying `src` into `dst` gives `dst` src's function: equal weight shapes, and a bias
+    where src has a nonzero one (a dropped bias, as gpt-oss's, would change it)."""
+    w = getattr(src, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape != dst.weight.shape:
+        return False
+    b = getattr(src, "bias", None)
+    if dst.bias is None:
+        return b is None or not bool(b.detach().abs().max() > 0)
+    return b is None or b.shape == dst.bias.shape
+
+
+def _copy_linear(src: nn.Module, dst: nn.Module) -> list[str]:
+    dst.weight.copy_(src.weight.to(dst.weight))
+    names = ["weight"]
+    if dst.bias is not None:
+        b = getattr(src, "bias", None)
+        dst.bias.copy_(b.to(dst.bias) if b is not None else torch.zeros_like(dst.bias))
+        names.append("bias")
+    return names
+
+
+def _target_mlp_parts(t_mlp: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, nn.Module] | None:
+    """(gate, up, down) of a dense gated MLP, whether its gate and up projections are separate
+    (Llama) or fused as gate_up_proj, gate first (Phi-3, GLM-4); None for a mixture of experts
+    or another shape."""
+    if t_mlp is None:
+        return None
+    down = getattr(t_mlp, "down_proj", None)
+    if not isinstance(down, nn.Linear) or down.bias is not None:
+        return None
+    gate, up = getattr(t_mlp, "gate_proj", None), getattr(t_mlp, "up_proj", None)
+    if isinstance(gate, nn.Linear) and isinstance(up, nn.Linear) and gate.bias is None and up.bias is None:
+        return gate.weight, up.weight, down
+    fused = getattr(t_mlp, "gate_up_proj", None)
+    if isinstance(fused, nn.Linear) and fused.bias is None and fused.weight.shape[0] % 2 == 0:
+        g, u = fused.weight.chunk(2, dim=0)
+        return g, u, down
+    return None
+
+
 @torch.no_grad()
 def init_from_target_layers(drafter: DFlashDrafter, target_layers, target_config) -> list[str]:
     """Start the drafter layers from target decoder layers (e.g. its top ones), piece by piece by
-    role, where the piece computes the same function in the drafter: attention projections of
-    equal shapes; norms as their measured effective scale (Gemma's 1 + w becomes the drafter's w);
-    the MLP only when the target's activation is the drafter's (silu). Returns the copied names
-    (`layers.{i}.input_layernorm.weight`, ...); fc and the drafter's own norms keep their initialisation."""
+    role, where the piece computes the same function in the drafter: the attention projections
+    when all four (q, k, v, o) have the drafter's shapes and biases (not MLA's latent projections);
+    norms as their measured effective scale (Gemma's 1 + w becomes the drafter's w; a LayerNorm is
+    not copied); a dense MLP when the target's activation is the drafter's (silu), its gate and up
+    projections split from a fused gate_up_proj where the family fuses them (not a mixture of
+    experts). Returns the copied names (`layers.{i}.input_layernorm.weight`, ...); fc and the
+    drafter's own norms keep their initialisation."""
     from ..family import mlp_activation, pre_mlp_norm, rms_norm_scale
 
-    same_mlp = mlp_activation(target_config) == drafter.config.hidden_act
+    same_act = mlp_activation(target_config) == drafter.config.hidden_act
     copied = []
     for i, (d_layer, t_layer) in enumerate(zip(drafter.layers, target_layers)):
         t_attn = getattr(t_layer, "self_attn", None)
@@ -221,13 +265,19 @@ def init_from_target_layers(drafter: DFlashDrafter, target_layers, target_config
             if scale is not None and scale.shape == mine.shape:
                 mine.copy_(scale.to(mine))
                 copied.append(f"layers.{i}.{name}.weight")
-        t_params = dict(t_layer.named_parameters())
-        linears = [f"self_attn.{p}_proj" for p in "qkvo"] + (["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-                                                              if same_mlp else [])
-        for lin in linears:
-            for part in ("weight", "bias"):
-                src, dst = t_params.get(f"{lin}.{part}"), dict(d_layer.named_parameters()).get(f"{lin}.{part}")
-                if src is not None and dst is not None and src.shape == dst.shape:
-                    dst.copy_(src.to(dst))
-                    copied.append(f"layers.{i}.{lin}.{part}")
+        projs = [f"{p}_proj" for p in "qkvo"]
+        if t_attn is not None and all(_same_linear(getattr(t_attn, p, None), getattr(d_layer.self_attn, p))
+                                      for p in projs):
+            for p in projs:
+                copied += [f"layers.{i}.self_attn.{p}.{n}" for n in _copy_linear(getattr(t_attn, p),
+                                                                                  getattr(d_layer.self_attn, p))]
+        parts = _target_mlp_parts(getattr(t_layer, "mlp", None)) if same_act else None
+        mlp = d_layer.mlp
+        if parts is not None and (parts[0].shape, parts[1].shape, parts[2].weight.shape) == \
+                (mlp.gate_proj.weight.shape, mlp.up_proj.weight.shape, mlp.down_proj.weight.shape) \
+                and mlp.gate_proj.bias is None and mlp.down_proj.bias is None:
+            mlp.gate_proj.weight.copy_(parts[0].to(mlp.gate_proj.weight))
+            mlp.up_proj.weight.copy_(parts[1].to(mlp.up_proj.weight))
+            mlp.down_proj.weight.copy_(parts[2].weight.to(mlp.down_proj.weight))
+            copied += [f"layers.{i}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
     return copied

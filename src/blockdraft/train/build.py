@@ -81,9 +81,14 @@ def norm_scale(norm, what: str, fallback: str) -> torch.Tensor:
 
 @torch.no_grad()
 def init_final_norm_from_target(drafter, target) -> None:
-    """Start the drafter's output scale at the target's own final-norm scale (Gemma norms scale by 1 + w)."""
-    norm = getattr(target._base(), "norm", None)
-    if norm is None or norm.weight.is_meta or norm.weight.shape != drafter.norm.weight.shape:
+    """Start the drafter's output scale at the target's own final-norm scale (Gemma norms scale by
+    1 + w), or a ValueError saying why it cannot (a LayerNorm as Cohere's, no final norm of the
+    drafter's width)."""
+    from ..family import final_norm
+
+    norm = final_norm(target.model)
+    w = None if norm is None else getattr(norm, "weight", None)
+    if w is None or w.is_meta or w.shape != drafter.norm.weight.shape:
         raise ValueError("the target has no final norm of the drafter's width; use --final-norm-init small")
     drafter.norm.weight.copy_(norm_scale(norm, "final norm", "--final-norm-init small"))
 
@@ -122,6 +127,8 @@ def _init_from_target(drafter, target, opts: DrafterOptions) -> None:
 
 
 def _init_pieces(drafter, target, opts: DrafterOptions) -> None:
+    """Each initialisation that applies to this target's family; one that cannot (a LayerNorm, an
+    MLA attention, a mixture of experts) leaves that piece at the drafter's own start and says so."""
     from ..model.drafter import init_from_target_layers
     from ..target import find_decoder_layers
 
@@ -129,12 +136,35 @@ def _init_pieces(drafter, target, opts: DrafterOptions) -> None:
         layers = find_decoder_layers(target.model, target.num_layers)
         top = list(layers)[target.num_layers - opts.draft_layers:]
         copied = init_from_target_layers(drafter, top, target.model.config.get_text_config())
-        print(f"init: copied {len(copied) // max(1, opts.draft_layers)} tensors per layer from the target's top "
-              f"{opts.draft_layers} layer(s)")
+        print("init: " + describe_layer_init(copied, opts.draft_layers))
     if opts.final_norm_init == "target":
-        init_final_norm_from_target(drafter, target)
+        try:
+            init_final_norm_from_target(drafter, target)
+        except ValueError as e:  # the default must work on every family: fall back, named
+            reason = str(e).split(";")[0]
+            print(f"init: {reason}: the drafter's output norm starts small ({float(drafter.norm.weight[0]):g}) "
+                  "instead")
     if opts.context_init == "top-feature":
         init_context_from_top_feature(drafter, target)
+
+
+LAYER_PIECES = {"input norm": ("input_layernorm",), "pre-MLP norm": ("post_attention_layernorm",),
+                "q/k norms": ("self_attn.q_norm", "self_attn.k_norm"),
+                "attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+                "MLP": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+def describe_layer_init(copied: list[str], num_layers: int) -> str:
+    """One line: which pieces of the drafter layers came from the target's top layers, which start random."""
+    got = {n.split(".", 2)[2].rsplit(".", 1)[0] for n in copied}
+    took = [k for k, mods in LAYER_PIECES.items() if all(m in got for m in mods)]
+    left = [k for k in LAYER_PIECES if k not in took]
+    if not took:
+        return (f"no piece of the target's top {num_layers} layer(s) computes what a drafter layer's does (its norms, "
+                "attention and MLP differ in kind or shape): the drafter layers start from random")
+    tail = f"; {', '.join(left)} start(s) from random (not the same function in the target)" if left else ""
+    return (f"copied {len(copied) // max(1, num_layers)} tensors per layer from the target's top {num_layers} "
+            f"layer(s): {', '.join(took)}{tail}")
 
 
 def build_drafter(opts: DrafterOptions, target, train_rows: dict, device: str):
