@@ -141,6 +141,13 @@ def tiny_causal_lm(arch: str, *, seed: int = 0, device=None, dtype: torch.dtype 
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if _scales_by_w(name, arch) else 0.0))
+            elif arch in MAMBA_ARCHS and name.endswith("dt_bias"):
+                # Mamba's own init writes ~1% of a token per step (dt 0.001-0.1) through small
+                # projections (state norm ~1e-4): a state that kept rejected tokens would hardly
+                # show. Steps near 1 and unit-scale inputs make every token count.
+                p.copy_(torch.randn_like(p) * 0.3 + 0.5)
+            elif arch in MAMBA_ARCHS and name.endswith("in_proj.weight"):
+                p.mul_(20)
     return model
 
 

@@ -12,6 +12,8 @@ import blockdraft.generate.proposers as spec
 from blockdraft.config import DrafterConfig
 from blockdraft.generate import accept_greedy, speculative_generate
 from blockdraft.model import BlockLayout, DFlashDrafter
+from blockdraft.generate.recurrent import recurrent_layers
+from blockdraft.tiny import RECURRENT_ARCHS
 from conftest import V, tiny_target
 
 
@@ -78,6 +80,53 @@ def test_greedy_with_accepted_drafts(monkeypatch, arch, corrupt_every):
     if corrupt_every == 1000:
         assert all(a == 6 for a in res.accepted[:-1])  # 5 drafts + the target's token, every step but the last
     assert max(res.accepted) <= 6
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4"])
+def test_greedy_on_sliding_and_chunked_attention_targets(arch):
+    """gpt-oss's 8-token sliding layers and Llama 4's 8-token attention chunks, rolled back after
+    rejected drafts by transformers' recorded-past crop, past their window."""
+    t, d = pair(arch, 4)
+    ids = torch.randint(0, V - 1, (1, 11))
+    assert speculative_generate(t, d, ids, max_new_tokens=30).tokens == reference(t, ids, 30)
+
+
+def _states(cache):
+    return [s for layer in recurrent_layers(cache) for s in list(layer.recurrent_states.values())
+            + list(layer.conv_states.values()) if s is not None]
+
+
+@pytest.mark.parametrize("arch", RECURRENT_ARCHS)
+@pytest.mark.parametrize("corrupt_every", [None, 3])
+def test_recurrent_targets_roll_back_rejected_drafts(monkeypatch, arch, corrupt_every):
+    """Mamba / Gated DeltaNet layers fold every verified token into their state, and transformers'
+    crop does not take rejected ones out again. With a random drafter (nearly every draft rejected)
+    and an oracle wrong at every third slot (blocks partly accepted), the output is the target's own
+    greedy decoding, and the final cache holds the states of a fresh cache fed the committed text."""
+    t, d = pair(arch, 4)
+    ids = torch.randint(0, V - 1, (1, 9), generator=torch.Generator().manual_seed(3))
+    ref = reference(t, ids, 32)
+    if corrupt_every:
+        prompt_len[0] = ids.shape[1]
+        monkeypatch.setattr(spec.DrafterProposer, "_draft", oracle(ref, corrupt_every))
+    caches = []
+    real_new = t.new_cache
+    monkeypatch.setattr(t, "new_cache", lambda: caches.append(real_new()) or caches[-1])
+    res = speculative_generate(t, d, ids, max_new_tokens=32)
+    assert res.tokens == ref
+    assert any(v > a for v, a in zip(res.verified, res.accepted))  # some drafts were rejected
+    if corrupt_every:
+        assert max(res.accepted) > 1  # and some accepted
+    fresh = real_new()
+    n = caches[0].get_seq_length()  # the committed text but its last token (unless the length cut the last step)
+    text = torch.cat([ids, torch.tensor([res.tokens])], 1)[:, :n]
+    assert n in (ids.shape[1] + 31, ids.shape[1] + 32)
+    t(text, position_ids=torch.arange(n)[None], cache=fresh)
+    t.crop_cache(fresh, n)  # conv states cut back to their kernel, as in the generation's cache
+    got, want = _states(caches[0]), _states(fresh)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[..., -w.shape[-1]:] if g.dim() == 3 else g, w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("cut", [2, 3])
