@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 bash reference/setup.sh
-"${MAIN_PYTHON:-.venv/bin/python}" -c "from blockdraft.target import resolve_target; resolve_target('smollm2')"
+export MAIN_PYTHON="$(realpath "${MAIN_PYTHON:-.venv/bin/python}")"  # test_vllm_extract trains with it
+"$MAIN_PYTHON" -c "from blockdraft.target import resolve_target; resolve_target('smollm2')"
 export PYTHONPATH="$ROOT/src:$ROOT/reference"
 export REFERENCE_RESULTS="${REFERENCE_RESULTS:-$ROOT/runs/reference-vllm.json}"
 mkdir -p "$(dirname "$REFERENCE_RESULTS")"
@@ -16,5 +17,6 @@ BASE="${TMPDIR:-/tmp}/blockdraft-reference-$$"
 mkdir -p "$BASE"
 .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/spec" -rs \
   reference/test_dflash.py reference/test_speculators.py
-.venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/vllm" -rs reference/test_vllm.py
+.venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
+  reference/test_vllm_extract.py
 rm -rf "$BASE"

@@ -59,6 +59,18 @@ class TargetOutput:
     final_hidden: torch.Tensor | None = None  # [Bz, T, Ht] after the final norm (head(final_hidden) == logits)
 
 
+def final_norm_of(model: nn.Module) -> nn.Module:
+    """family.final_norm, or a ValueError naming the base's modules."""
+    from .family import final_norm
+
+    mod = final_norm(model)
+    if mod is None:
+        base = getattr(model, "model", model)
+        raise ValueError(f"{type(model).__name__} has no final norm that blockdraft can find (its base holds "
+                         f"{', '.join(n for n, _ in base.named_children())})")
+    return mod
+
+
 def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     """The ModuleList of decoder layers (Llama/Qwen/Mistral/Gemma: `*.layers`)."""
     for name, mod in model.named_modules():
@@ -143,10 +155,12 @@ class TargetModel(nn.Module):
     @classmethod
     def head_only(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
                   num_features: int = 5, dtype: torch.dtype | None = None, device: str | None = None,
-                  mask_token_id: int | None = None) -> "TargetModel":
+                  mask_token_id: int | None = None, final_norm: bool = False) -> "TargetModel":
         """The target's config, tokenizer, embedding and head only (decoder layers stay on the meta
         device): enough to train from a feature cache, which never runs the target. Loaded in the
-        training precision (default: bf16 on CUDA), so no loss chunk recasts a 150k-row head."""
+        training precision (default: bf16 on CUDA), so no loss chunk recasts a 150k-row head.
+        `final_norm`: its final norm too (what turns an engine's last-layer output into the final
+        state the head reads: `extract --engine vllm`)."""
         dtype = dtype or default_dtype(device)
         if is_random(path):  # built whole (the same weights as the run that extracted), then its layers dropped
             target = cls.random(str(path), layer_ids=layer_ids, num_features=num_features, dtype=dtype, device=device,
@@ -165,15 +179,19 @@ class TargetModel(nn.Module):
         files = sorted(local.glob("*.safetensors"))
         names = {n for f in files for n in safe_open(str(f), "pt").keys()}
         params = dict(model.named_parameters(remove_duplicate=False))
-        for mod in (model.get_input_embeddings(), model.get_output_embeddings()):
-            pname = next(n for n, p in params.items() if p is mod.weight)
-            key = pname if pname in names else next((n for n in names if n.endswith("embed_tokens.weight")), None)
-            if key is None:
-                raise ValueError(f"{local} has no tensor for {pname}")
-            f = next(f for f in files if key in safe_open(str(f), "pt").keys())
-            with safe_open(str(f), "pt", device=str(device or "cpu")) as fh:  # read straight onto the device
-                mod.weight = nn.Parameter(fh.get_tensor(key).to(dtype=dtype),
-                                          requires_grad=False)
+        mods = [model.get_input_embeddings(), model.get_output_embeddings()]
+        if final_norm:
+            mods.append(final_norm_of(model))
+        for k, mod in enumerate(mods):
+            for attr, param in list(mod.named_parameters(recurse=False)):
+                pname = next(n for n, p in params.items() if p is param)
+                tied = next((n for n in names if n.endswith("embed_tokens.weight")), None) if k < 2 else None
+                key = pname if pname in names else tied  # a tied head is stored as the embedding
+                if key is None:
+                    raise ValueError(f"{local} has no tensor for {pname}")
+                f = next(f for f in files if key in safe_open(str(f), "pt").keys())
+                with safe_open(str(f), "pt", device=str(device or "cpu")) as fh:  # read straight onto the device
+                    setattr(mod, attr, nn.Parameter(fh.get_tensor(key).to(dtype=dtype), requires_grad=False))
         tok = load_tokenizer(local)
         target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
         target.head_only_loaded = True

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 MANIFEST = "manifest.json"
+ENGINE_STATES = "engine-states"  # an engine's captured states, waiting to become shards (extract --engine vllm)
 ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
 
 
@@ -117,11 +118,14 @@ def auto_shard_rows(target, L: int, dtype: torch.dtype, budget: int = 2**30) -> 
 
 
 def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16, dtype: torch.dtype | None = None,
-            rank: int = 0, world: int = 1, progress: bool = True, batch_tokens: int = 16384) -> Path:
+            rank: int = 0, world: int = 1, progress: bool = True, batch_tokens: int = 16384,
+            outputs=None, identity: dict | None = None) -> Path:
     """Write shard files shard-{k}.safetensors for the shards k with k % world == rank.
 
     The target runs `batch_tokens` tokens (whole rows) at a time; `dtype` (default: the target's
-    own, bf16 on CUDA) is what the shards store."""
+    own, bf16 on CUDA) is what the shards store. `outputs` (rows -> StoredOutputs) gives a shard's
+    outputs instead (an engine's captured states: `engines.vllm_capture.EngineOutputs`; its
+    `done(rows)` is called once the shard is written); `identity` adds manifest entries."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -129,15 +133,16 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     R, L = rows["input_ids"].shape
     dtype = dtype or target.dtype
     rows_per_forward = max(1, batch_tokens // L)
-    ident = dict(cache_identity(target, L, dtype), rows=R, shard_rows=shard_rows, rows_hash=rows_hash(rows))
+    ident = {**cache_identity(target, L, dtype), "rows": R, "shard_rows": shard_rows, "rows_hash": rows_hash(rows),
+             "engine": "transformers", **(identity or {})}
     mpath = out / MANIFEST
     if mpath.exists():
         old = json.loads(mpath.read_text())
-        changed = [k for k in ident if old.get(k) != ident[k]]
+        changed = [k for k in ident if old.get(k, "transformers" if k == "engine" else None) != ident[k]]
         if changed:
             raise ValueError(f"{out} holds a cache made with other settings ({', '.join(changed)} differ"
                              f"{': other data' if 'rows_hash' in changed else ''}); use a new directory")
-    elif any(not p.name.startswith(("shard-", MANIFEST)) for p in out.iterdir()):  # other ranks' shards may be there
+    elif holds_other_files(out):
         raise ValueError(f"{out} is not empty and holds no feature cache; use a new directory")
     n_shards = (R + shard_rows - 1) // shard_rows
     manifest = dict(ident, shards=[f"shard-{k:05d}.safetensors" for k in range(n_shards)])
@@ -149,7 +154,7 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         if path.exists():
             continue  # finished before a restart
         idx = torch.arange(k * shard_rows, min(R, (k + 1) * shard_rows))
-        got = target_outputs(target, rows, idx, rows_per_forward)
+        got = target_outputs(target, rows, idx, rows_per_forward) if outputs is None else outputs(idx)
         tensors = {key: rows[key][idx].contiguous() for key in ROW_KEYS}
         tensors.update(features=got.features.to(dtype).contiguous(), final_hidden=got.final_hidden.to(dtype).contiguous(),
                        top=got.top.contiguous())
@@ -157,7 +162,16 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
+        if hasattr(outputs, "done"):
+            outputs.done(idx)
     return out
+
+
+def holds_other_files(out: Path) -> bool:
+    """Whether a directory with no manifest holds files that are no part of a cache being made
+    (other ranks' shards, or an engine's captured states, may be there)."""
+    return Path(out).exists() and not (Path(out) / MANIFEST).exists() and any(
+        not p.name.startswith(("shard-", MANIFEST, ENGINE_STATES)) for p in Path(out).iterdir())
 
 
 def damaged(path: str, e: Exception) -> ValueError:

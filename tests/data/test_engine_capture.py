@@ -1,0 +1,116 @@
+"""`extract --engine vllm` without vLLM: the ids blockdraft asks the engine for, the documents it
+sends, and the cache it writes from files laid out as vLLM's hidden-states connector writes them
+(`hidden_states` [T, k, Ht] in ascending aux-id order, `token_ids` [T]). The stand-in engine here
+runs transformers' own model on each document alone; the vLLM engine itself is judged in the
+reference suite (reference/test_vllm_extract.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from blockdraft.data.features import DiskFeatures, extract
+from blockdraft.engines.vllm_capture import EngineOutputs, capture_ids, engine_kwargs, segment_name, segments
+from blockdraft.target import final_norm_of
+from conftest import tiny_rows, tiny_target
+
+
+def test_the_engine_is_asked_for_the_inputs_of_the_next_layers_and_the_last_output():
+    # vLLM's aux id k is the input of layer k: blockdraft's layer L (its output) is id L + 1
+    assert capture_ids([1, 9, 17, 25, 33], 36) == [2, 10, 18, 26, 34, 36]
+    assert capture_ids([3, 0], 6) == [1, 4, 6]
+    assert capture_ids([5], 6) == [6]  # the last layer's output is asked for once
+
+
+def test_documents_are_the_spans_where_positions_restart():
+    rows = tiny_rows(3, L=40)
+    rows["position_ids"][1, 30:] = torch.arange(10)  # a third span in row 1 (say, the padding)
+    got = segments(rows, [0, 1, 2])
+    want = []  # brute force: a span ends before each later position 0
+    for r in range(3):
+        starts = [j for j in range(40) if rows["position_ids"][r, j] == 0]
+        want += [(r, s, e) for s, e in zip(starts, starts[1:] + [40])]
+    assert got == want and (1, 30, 40) in got
+    rows["position_ids"][2, 0] = 3
+    with pytest.raises(ValueError, match="positions must start at 0"):
+        segments(rows, [2])
+
+
+def test_the_engine_runs_with_no_prefix_cache_and_blockdrafts_ids():
+    kw = engine_kwargs({"target": "/m", "dtype": "float32", "tmp_dir": "/t", "aux_ids": [2, 9, 30],
+                        "max_model_len": 520})
+    assert kw["enable_prefix_caching"] is False  # a cached prefix would be skipped and its states never written
+    spec = kw["speculative_config"]
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 9, 30]
+    assert kw["kv_transfer_config"]["kv_connector_module_path"] == "blockdraft.engines.vllm_connector"
+    cuda = engine_kwargs({"target": "/m", "dtype": "bfloat16", "tmp_dir": "/t", "aux_ids": [2], "max_model_len": 9,
+                          "connector": "ExampleHiddenStatesConnector"})
+    assert "kv_connector_module_path" not in cuda["kv_transfer_config"]  # vLLM's own connector on CUDA
+
+
+def engine_files(target, rows, directory, ids):
+    """What vLLM writes per document: the state entering each asked layer k (transformers'
+    hidden_states[k] for k < n) and, for k = n, the last layer's output before the final norm."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model, n = target.model, target.num_layers
+    last = {}
+    hook = target._layers[n - 1].register_forward_hook(lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
+    try:
+        for r, s, e in segments(rows, range(rows["input_ids"].shape[0])):
+            tok = rows["input_ids"][r, s:e]
+            with torch.no_grad():
+                hs = model(tok[None], output_hidden_states=True).hidden_states
+            states = torch.stack([hs[k][0] if k < n else last["h"][0] for k in ids], dim=1)  # [T, k, Ht]
+            save_file({"hidden_states": states.contiguous(), "token_ids": tok.clone()},
+                      str(directory / f"{segment_name((r, s, e))}.safetensors"))
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: a (1 + w) final norm and soft-capping
+def test_a_cache_from_engine_files_equals_the_transformers_cache(tmp_path, arch):
+    t = tiny_target(arch, num_features=3)
+    rows = tiny_rows(5)
+    extract(t, rows, tmp_path / "hf", shard_rows=2, progress=False)
+    ids = capture_ids(t.layer_ids, t.num_layers)
+    engine_files(t, rows, tmp_path / "eng" / "engine-states", ids)
+    outputs = EngineOutputs(t, rows, tmp_path / "eng" / "engine-states", final_norm_of(t.model))
+    assert outputs.missing(torch.arange(5)) == []
+    extract(t, rows, tmp_path / "eng", shard_rows=2, progress=False, outputs=outputs, identity={"engine": "vllm"})
+    a, b = DiskFeatures(tmp_path / "hf"), DiskFeatures(tmp_path / "eng")
+    x, y = a(torch.arange(5)), b(torch.arange(5))
+    torch.testing.assert_close(y.features, x.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.final_hidden, x.final_hidden, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y.top, x.top)
+    with torch.no_grad():  # and the labels are the model's own logits
+        for s, e in ((0, 20), (20, 40)):  # each document run alone
+            torch.testing.assert_close(t.head(y.final_hidden[:1, s:e]), t.model(rows["input_ids"][:1, s:e]).logits,
+                                       rtol=1e-4, atol=1e-4)
+    assert b.manifest["engine"] == "vllm" and "engine" not in {k for k, v in a.manifest.items() if v == "vllm"}
+    assert not any((tmp_path / "eng" / "engine-states").glob("*.safetensors"))  # consumed shard by shard
+
+
+def test_engine_files_for_other_tokens_are_refused(tmp_path):
+    t = tiny_target("llama", num_features=2)
+    rows = tiny_rows(2)
+    d = tmp_path / "engine-states"
+    engine_files(t, rows, d, capture_ids(t.layer_ids, t.num_layers))
+    other = dict(rows, input_ids=rows["input_ids"].roll(1, dims=1))
+    with pytest.raises(ValueError, match="holds other tokens"):
+        EngineOutputs(t, other, d, final_norm_of(t.model))(torch.tensor([0]))
+
+
+def test_a_target_vllm_cannot_capture_gets_one_line_naming_the_other_paths():
+    from types import SimpleNamespace
+
+    from blockdraft.train.run import check_vllm_can_capture
+
+    glm = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(architectures=["Glm4MoeForCausalLM"])))
+    with pytest.raises(ValueError) as e:
+        check_vllm_can_capture(glm)
+    msg = str(e.value)
+    assert "\n" not in msg and "Glm4MoeForCausalLM" in msg and "--engine transformers" in msg and "--target-fsdp" in msg
+    check_vllm_can_capture(SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(
+        architectures=["LlamaForCausalLM"]))))
