@@ -38,7 +38,8 @@ def cmd_regenerate(args) -> int:
     else:
         target = TargetModel.from_pretrained(args.target, device=args.device, **spread_kwargs(args))
     res = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     engine=args.engine, progress=not args.no_progress)
+                     engine=args.engine, progress=not args.no_progress,
+                     engine_options={"tensor_parallel_size": args.tensor_parallel_size, "memory": args.engine_memory})
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
     if args.bundle:
         from .data.regenerate import bundle_answers
@@ -265,6 +266,9 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (vLLM: 64-256)")
     r.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
+    r.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs per engine")
+    r.add_argument("--engine-memory", type=float, default=None,
+                   help="--engine vllm: fraction of each GPU vLLM may take (default 0.9; on a CPU 0.2 of its KV space)")
     r.add_argument("--bundle", default=None, metavar="FILE",
                    help="then write every answer, ordered by prompt hash, to FILE (gzip if .gz, the same bytes on "
                         "every rebuild): the form of the bundled data")

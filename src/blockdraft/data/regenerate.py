@@ -93,7 +93,7 @@ def _answers_transformers(model, tokenizer, chunk: list[list[dict]], max_new_tok
 
 def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.PathLike, *,
                max_new_tokens: int = 256, batch_size: int = 8, engine: str = "transformers",
-               progress: bool = True) -> dict:
+               progress: bool = True, engine_options: dict | None = None) -> dict:
     """prompts: (id, messages) pairs. Greedy answers appended to `out`; returns counts. `target` is a
     TargetModel (transformers engine) or, for vLLM, `target.TargetFiles` (tokenizer and directory)."""
     from tqdm.auto import tqdm
@@ -120,7 +120,7 @@ def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.P
     if engine == "vllm" and todo:
         from ..engines.vllm import Engine
 
-        vllm = Engine(target.local_dir)
+        vllm = Engine(target.local_dir, **(engine_options or {}))  # tensor_parallel_size, memory
     written = 0
     bar = tqdm(total=skipped + len(todo), initial=skipped, desc=f"regenerate ({engine})", disable=not progress)
     try:

@@ -48,10 +48,17 @@ def require_vllm():
 class Engine:
     """One vLLM engine for a target directory, generating from token-id prompts."""
 
-    def __init__(self, target_dir: str, *, memory: float = 0.2, max_model_len: int = 2048, seed: int = 0):
+    def __init__(self, target_dir: str, *, memory: float | None = None, max_model_len: int = 2048, seed: int = 0,
+                 tensor_parallel_size: int = 1, dtype: str | None = None):
+        """On a CPU: fp32 and 0.2 of the memory for KV (what the bundled answers were made with); on
+        CUDA: the checkpoint's dtype and 0.9 of each GPU, over `tensor_parallel_size` GPUs."""
         vllm = require_vllm()
-        self.llm = vllm.LLM(model=str(target_dir), dtype="float32", gpu_memory_utilization=memory,
-                            max_model_len=max_model_len, seed=seed)
+        import torch
+
+        gpu = torch.cuda.is_available()
+        self.llm = vllm.LLM(model=str(target_dir), dtype=dtype or ("auto" if gpu else "float32"),
+                            gpu_memory_utilization=memory or (0.9 if gpu else 0.2), max_model_len=max_model_len,
+                            seed=seed, tensor_parallel_size=tensor_parallel_size)
         self._params = vllm.SamplingParams
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
