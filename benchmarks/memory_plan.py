@@ -27,6 +27,8 @@ QWEN3_8B = dict(arch="qwen3", vocab=151936, layers=36, hidden=4096, heads=32, kv
                 head_dim=128)
 LLAMA_70B = dict(arch="llama", vocab=128256, layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672,
                  head_dim=128)
+QWEN3_235B_A22B = dict(arch="qwen3_moe", vocab=151936, layers=94, hidden=4096, heads=64, kv_heads=4, intermediate=12288,
+                      head_dim=128, moe_intermediate=1536, experts=128, experts_per_token=8)
 README_COMMANDS = [  # (what, target shape, GPUs, the card it is meant for in GB, flags)
     ("Qwen3-8B, one GPU", QWEN3_8B, 1, 80,
      "--draft-layers 5 --block-size 16 --max-rows 0 --max-length 4096 --batch-tokens 16384 --grad-accum 2 "
@@ -42,6 +44,9 @@ README_COMMANDS = [  # (what, target shape, GPUs, the card it is meant for in GB
     ("Qwen3-8B from a feature cache, 8 x 24 GB GPUs", QWEN3_8B, 8, 24,
      "--features-cache CACHE --draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 8192 --grad-accum 2 "
      "--draft-vocab full --sliding-window 0 --fsdp --gradient-checkpointing"),
+    ("Qwen3-235B-A22B from a vLLM feature cache, 8 GPUs", QWEN3_235B_A22B, 8, 80,
+     "--features-cache /shared/cache --draft-layers 5 --max-rows 0 --max-length 4096 --batch-tokens 16384 "
+     "--draft-vocab full --sliding-window 0 --fsdp"),
 ]
 
 
@@ -52,6 +57,9 @@ def config_of(shape: dict):
     kw = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
               num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
               intermediate_size=shape["intermediate"], head_dim=shape["head_dim"], tie_word_embeddings=False)
+    if shape["arch"] == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**kw, moe_intermediate_size=shape["moe_intermediate"], num_experts=shape["experts"],
+                                 num_experts_per_tok=shape["experts_per_token"])
     return tf.Qwen3Config(**kw) if shape["arch"] == "qwen3" else tf.LlamaConfig(**kw)
 
 
