@@ -142,7 +142,7 @@ def _init_pieces(drafter, target, opts: DrafterOptions) -> None:
             init_final_norm_from_target(drafter, target)
         except ValueError as e:  # the default must work on every family: fall back, named
             reason = str(e).split(";")[0]
-            print(f"init: {reason}: the drafter's output norm starts small ({float(drafter.norm.weight[0]):g}) "
+            print(f"init: {reason}: the drafter's output norm starts small ({float(drafter.norm.weight[0].detach()):g}) "
                   "instead")
     if opts.context_init == "top-feature":
         init_context_from_top_feature(drafter, target)
