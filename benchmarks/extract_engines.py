@@ -40,8 +40,10 @@ def run(python: str, args: list[str], log: Path) -> dict:
     m = LINE.findall(text)
     if not m:
         sys.exit(f"no throughput line in {log}")
-    tokens, _, seconds, _, start = m[-1]
-    return {"tokens": int(tokens.replace(",", "")), "extract_s": float(seconds),
+    tokens, what, seconds, _, start = m[-1]
+    parts = re.findall(r"([\d.]+) s", what)  # vLLM: the engine's capture, then the shards made here
+    split = {"engine_capture_s": float(parts[0]), "shards_s": float(parts[1])} if len(parts) == 2 else {}
+    return {"tokens": int(tokens.replace(",", "")), "extract_s": float(seconds), **split,
             "tokens_per_s": int(tokens.replace(",", "")) / float(seconds),
             "engine_start_s": float(start) if start else None, "wall_s": round(time.perf_counter() - t0, 1)}
 

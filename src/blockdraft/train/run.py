@@ -277,8 +277,10 @@ def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: Extr
     t0 = time.perf_counter()
     extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, outputs=outputs, identity={"engine": "vllm"})
     if figures:  # the engines' capture (in parallel) plus putting the shards together here
-        throughput(sum(f["tokens"] for f in figures), max(f["capture_s"] for f in figures) + time.perf_counter() - t0,
-                   "captured", start_s=max(f["load_s"] for f in figures))
+        cap, shards = max(f["capture_s"] for f in figures), time.perf_counter() - t0
+        throughput(sum(f["tokens"] for f in figures), cap + shards,
+                   f"captured: engine {cap:.1f} s, then shards with the final norm and head argmax {shards:.1f} s",
+                   start_s=max(f["load_s"] for f in figures))
     if states.exists() and not any(states.glob("*.safetensors")):
         import shutil
 
