@@ -185,3 +185,26 @@ def has_recurrent_layers(config) -> bool:
     tc = getattr(config, "text_config", None) or config
     types = getattr(tc, "layer_types", None) or []
     return any(t in RECURRENT_LAYER_TYPES for t in types)
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[Bz, T] bool: where a packed document begins (its position does not follow the previous one)."""
+    first = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
+    return torch.cat([first, position_ids[:, 1:] != position_ids[:, :-1] + 1], dim=1)
+
+
+@torch.no_grad()
+def isolates_packed_documents(model: nn.Module) -> bool:
+    """Whether the model's own forward keeps packed documents (position ids restarting at 0, no cache
+    and no attention mask) apart, measured: the second of two packed documents must get the logits
+    it gets alone. transformers builds a block-diagonal attention mask from the position ids, but
+    a recurrent layer (Mamba, Gated DeltaNet) carries its state over the boundary, and gpt-oss's
+    eager attention mask (transformers 5.24) lets the second document see the first."""
+    emb = model.get_input_embeddings().weight
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(emb.shape[0], 1000), (1, 12), generator=g).to(emb.device)
+    pos = torch.cat([torch.arange(5), torch.arange(7)])[None].to(emb.device)
+    packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, 5:].float()
+    alone = model(input_ids=ids[:, 5:], position_ids=pos[:, 5:], use_cache=False).logits[0].float()
+    tol = 1e-3 if emb.dtype == torch.float32 else 3e-2
+    return bool((packed - alone).abs().max() <= tol * max(1.0, float(alone.abs().max())))

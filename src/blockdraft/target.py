@@ -24,7 +24,7 @@ from .config import default_target_layer_ids, validate_layer_ids
 from .target_files import (EMBEDDED, SPREAD_NAMES, TargetFiles, TargetOptions, _special_ids,  # noqa: F401
                            cache_dir, default_dtype, is_random, load_tokenizer, pick_device, pick_mask_token, resolve_target, spread_kwargs,
                            stop_token_ids, target_num_layers, tokenizer_hash)
-from .family import logit_transform, output_logits
+from .family import document_starts, isolates_packed_documents, logit_transform, output_logits
 from .model.linear import few_rows_linear, use_few_rows_linears
 
 
@@ -264,7 +264,9 @@ class TargetModel(nn.Module):
         `logits_mask` (bool [Bz, T]) keeps only the logits at its True positions, flattened
         to [P, V] in row-major order: a 150k vocabulary at 8k tokens does not fit otherwise.
         Packed rows pass `position_ids` restarting at 0 per document; transformers then keeps
-        attention inside each document. `cache` (from `new_cache`) is extended in place.
+        attention inside each document, and where the family's forward does not keep them apart
+        (measured once: family.isolates_packed_documents; recurrent hybrids, gpt-oss) each document
+        runs alone. `cache` (from `new_cache`) is extended in place.
         `return_final_hidden` returns the final normed state instead of logits (what an offline
         cache stores; `head` turns it into exactly these logits).
         """
@@ -277,6 +279,9 @@ class TargetModel(nn.Module):
             if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
                 raise ValueError("logits_mask must be a bool tensor with the shape of input_ids")
             keep = logits_mask if mask_keep_supported() else logits_mask.any(0).nonzero()[:, 0]  # [T'] columns, older transformers
+        if position_ids is not None and cache is None and attention_mask is None and not kwargs \
+                and bool(document_starts(position_ids)[:, 1:].any()) and not self.isolates_packed_documents():
+            return self._forward_by_document(input_ids, position_ids, logits_mask, return_logits, return_final_hidden)
         if cache is not None:
             kwargs[self._cache_kwarg()] = cache
         self._captured.clear()
@@ -304,6 +309,38 @@ class TargetModel(nn.Module):
         self._captured.clear()
         return TargetOutput(features=feats, logits=None if logits is None else logits.to(dev),
                             final_hidden=None if final is None else final.to(dev))
+
+    def isolates_packed_documents(self) -> bool:
+        """Whether this model keeps packed documents apart by their position ids (measured once)."""
+        if getattr(self, "_isolates_packed", None) is None:
+            self._isolates_packed = isolates_packed_documents(self.model)
+        return self._isolates_packed
+
+    def _forward_by_document(self, input_ids, position_ids, logits_mask, return_logits, return_final_hidden):
+        """`forward` of packed rows one document at a time, stitched back: features and final states
+        [Bz, T, ...], logits [Bz, T, V] or, with a mask, [P, V] in row-major order."""
+        if getattr(self, "sharded", False):  # ranks hold different documents: their forwards would not pair up
+            raise ValueError(f"{self.name} lets packed documents see each other, so blockdraft runs them one at a "
+                             "time, which a target sharded over ranks (--target-fsdp) cannot: drop --target-fsdp")
+        starts = document_starts(position_ids)
+        feats, finals, logits = [], [], []
+        for r in range(input_ids.shape[0]):
+            cuts = starts[r].nonzero()[:, 0].tolist() + [input_ids.shape[1]]
+            row_f, row_h, row_l = [], [], []
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                m = None if logits_mask is None else logits_mask[r:r + 1, a:b]
+                out = self.forward(input_ids[r:r + 1, a:b], position_ids=position_ids[r:r + 1, a:b], logits_mask=m,
+                                   return_logits=return_logits, return_final_hidden=return_final_hidden)
+                row_f.append(out.features)
+                row_h.append(out.final_hidden)
+                row_l.append(out.logits)
+            feats.append(torch.cat(row_f, 1))
+            if row_h[0] is not None:
+                finals.append(torch.cat(row_h, 1))
+            if row_l[0] is not None:
+                logits.append(torch.cat(row_l, 0 if logits_mask is not None else 1))
+        return TargetOutput(features=torch.cat(feats), logits=torch.cat(logits) if logits else None,
+                            final_hidden=torch.cat(finals) if finals else None)
 
     def _cache_kwarg(self) -> str:
         """`cache` in recent transformers, `past_key_values` before; looked up once (verify is a hot path)."""

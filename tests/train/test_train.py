@@ -12,6 +12,7 @@ from blockdraft.model import DFlashDrafter
 from blockdraft.model.blocks import supervised_slots
 from blockdraft.train import (Batch, accepted_lengths, compute_loss, dflash_loss, eligible_anchors, prepare,
                               sample_anchors, slot_weights, train_step)
+from blockdraft.tiny import ALL_ARCHS
 from conftest import ARCHS, V, tiny_target
 
 
@@ -112,33 +113,33 @@ def test_loss_matches_a_slot_by_slot_reference(kind):
     assert math.isclose(float(loss), num / den, rel_tol=1e-5)
 
 
-def test_labels_are_the_targets_own_logits_at_a_plus_k_minus_1():
-    for arch in ARCHS:
-        t = tiny_target(arch)
-        d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
-        ids = torch.randint(0, V - 1, (2, 30))
-        lm = torch.ones_like(ids)
-        lm[:, :6] = 0
-        doc = torch.tensor([[0] * 14 + [1] * 16, [0] * 30])
-        batch = Batch(ids, lm, document_ids=doc)
-        p = prepare(t, d, batch, max_anchors=9, generator=torch.Generator().manual_seed(0))
-        # reference: each document alone through the model, logits at a + k - 1
-        full, feat = {}, {}
-        for r in range(2):
-            for dd in doc[r].unique().tolist():
-                cols = (doc[r] == dd).nonzero().flatten()
-                out = t.model(ids[r:r + 1, cols], output_hidden_states=True)
-                for c, col in enumerate(cols.tolist()):
-                    full[r * 30 + col] = out.logits[0, c]
-                    feat[r * 30 + col] = out.hidden_states[t.layer_ids[0] + 1][0, c]
-        ref = []
-        for j, a in enumerate(p.anchors.tolist()):
-            for k in range(4):
-                if p.supervised[j, k]:
-                    ref.append(full[a + k - 1])
-        torch.testing.assert_close(p.target_logits.per_slot(), torch.stack(ref), rtol=1e-5, atol=1e-5)
-        f = torch.stack([feat[i] for i in range(60)])
-        torch.testing.assert_close(p.features[:, : t.hidden_size], f, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_labels_are_the_targets_own_logits_at_a_plus_k_minus_1(arch):
+    t = tiny_target(arch)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    ids = torch.randint(0, V - 1, (2, 30))
+    lm = torch.ones_like(ids)
+    lm[:, :6] = 0
+    doc = torch.tensor([[0] * 14 + [1] * 16, [0] * 30])
+    batch = Batch(ids, lm, document_ids=doc)
+    p = prepare(t, d, batch, max_anchors=9, generator=torch.Generator().manual_seed(0))
+    # reference: each document alone through the model, logits at a + k - 1
+    full, feat = {}, {}
+    for r in range(2):
+        for dd in doc[r].unique().tolist():
+            cols = (doc[r] == dd).nonzero().flatten()
+            out = t.model(ids[r:r + 1, cols], output_hidden_states=True)
+            for c, col in enumerate(cols.tolist()):
+                full[r * 30 + col] = out.logits[0, c]
+                feat[r * 30 + col] = out.hidden_states[t.layer_ids[0] + 1][0, c]
+    ref = []
+    for j, a in enumerate(p.anchors.tolist()):
+        for k in range(4):
+            if p.supervised[j, k]:
+                ref.append(full[a + k - 1])
+    torch.testing.assert_close(p.target_logits.per_slot(), torch.stack(ref), rtol=1e-5, atol=1e-5)
+    f = torch.stack([feat[i] for i in range(60)])
+    torch.testing.assert_close(p.features[:, : t.hidden_size], f, rtol=1e-5, atol=1e-5)
 
 
 def test_no_label_crosses_a_document_boundary():
