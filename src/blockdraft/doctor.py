@@ -167,6 +167,20 @@ def check_capture(target) -> Check:
                  "train as usual (transformers runs the target); serve with another engine or a vLLM that adds it")
 
 
+def check_capture_sglang(target) -> Check:
+    """Whether SGLang's DFlash worker can capture this target's hidden states (blockdraft.serving_sglang)."""
+    from .serving_sglang import sglang_capture
+
+    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    known, source = sglang_capture()
+    if any(a in known for a in archs):
+        return Check("target capture (SGLang)", PASS, f"SGLang can run {archs[0]} as a DFlash target "
+                     f"(set_dflash_layers_to_capture, by {source})")
+    return Check("target capture (SGLang)", WARN, f"SGLang cannot capture {archs[0]}'s hidden states (its class "
+                 f"lacks set_dflash_layers_to_capture, by {source}): SGLang's DFlash worker refuses it",
+                 "serve with another engine (vLLM, llama.cpp, blockdraft) or an SGLang that adds it")
+
+
 def check_data(target, path: str | None) -> Check:
     from .data import load_conversations, render
 
@@ -305,6 +319,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
         _guard("mask token", check_mask_token, target, d, debug=debug),
         _guard("target family", check_family, target, debug=debug),
         _guard("target capture", check_capture, target, debug=debug),
+        _guard("target capture (SGLang)", check_capture_sglang, target, debug=debug),
         _guard("data", check_data, target, data, debug=debug),
         _guard("greedy identity", check_greedy, target, d, ids, debug=debug),
     ]
