@@ -279,8 +279,10 @@ class TargetModel(nn.Module):
             if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
                 raise ValueError("logits_mask must be a bool tensor with the shape of input_ids")
             keep = logits_mask if mask_keep_supported() else logits_mask.any(0).nonzero()[:, 0]  # [T'] columns, older transformers
+        # the model's own measurement (once, cached) first: a family that keeps documents apart
+        # reads nothing from the device here, per step
         if position_ids is not None and cache is None and attention_mask is None and not kwargs \
-                and bool(document_starts(position_ids)[:, 1:].any()) and not self.isolates_packed_documents():
+                and not self.isolates_packed_documents() and bool(document_starts(position_ids)[:, 1:].any()):
             return self._forward_by_document(input_ids, position_ids, logits_mask, return_logits, return_final_hidden)
         if cache is not None:
             kwargs[self._cache_kwarg()] = cache

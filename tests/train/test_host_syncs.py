@@ -18,6 +18,7 @@ def syncs(rows: int, block: int, cached: bool) -> dict:
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=block, draft_vocab_size=64))
     d.set_draft_vocab(torch.arange(64))
+    t.isolates_packed_documents()  # measured once per target, at its first packed forward: not per step
     with CudaPlacement() as mode:
         r = tiny_rows(rows)  # made under the shim: host tensors, as a data loader's are
         stored = None
