@@ -102,11 +102,17 @@ def read_vllm_capture(vllm_dir: Path) -> frozenset[str]:
     return frozenset(arch for arch, (mod, cls) in registry(models).items() if classes.supports(mod, cls))
 
 
+def installed_tree(package: str, marker: str) -> Path | None:
+    """The source folder of an installed package holding `marker` (found without importing it), or None."""
+    spec = importlib.util.find_spec(package)
+    root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
+    return root if root is not None and (root / marker).exists() else None
+
+
 def vllm_capture() -> tuple[frozenset[str], str]:
     """(architectures, where the list comes from): the installed vLLM's, else the table above."""
-    spec = importlib.util.find_spec("vllm")
-    root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
-    if root is not None and (root / "model_executor" / "models" / "registry.py").exists():
+    root = installed_tree("vllm", "model_executor/models/registry.py")
+    if root is not None:
         try:
             return read_vllm_capture(root), f"the installed vLLM {_version()}"
         except (OSError, SyntaxError, ValueError):  # a tree this reader does not understand: the table

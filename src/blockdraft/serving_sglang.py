@@ -224,9 +224,10 @@ def read_sglang_capture(sglang_python_dir: Path, method: str = CAPTURE_METHOD) -
 
 def sglang_capture() -> tuple[frozenset[str], str]:
     """(architectures, where the list comes from): the installed SGLang's, else the table above."""
-    spec = importlib.util.find_spec("sglang")
-    root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
-    if root is not None and (root / "srt" / "models" / "registry.py").exists():
+    from .serving import installed_tree
+
+    root = installed_tree("sglang", "srt/models/registry.py")
+    if root is not None:
         try:
             return read_sglang_capture(root), f"the installed SGLang {_version()}"
         except (OSError, SyntaxError, ValueError, RecursionError):  # a tree this reader does not follow
