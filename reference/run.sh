@@ -8,7 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 bash reference/setup.sh
-export MAIN_PYTHON="$(realpath "${MAIN_PYTHON:-.venv/bin/python}")"  # test_vllm_extract trains with it
+# absolute, but not through the venv's symlink: realpath would name the system interpreter, which
+# has no blockdraft (CI's first try failed so); test_vllm_extract trains with it
+MAIN_PYTHON="${MAIN_PYTHON:-.venv/bin/python}"
+case "$MAIN_PYTHON" in /*) ;; *) MAIN_PYTHON="$ROOT/$MAIN_PYTHON" ;; esac
+export MAIN_PYTHON
 "$MAIN_PYTHON" -c "from blockdraft.target import resolve_target; resolve_target('smollm2')"
 export PYTHONPATH="$ROOT/src:$ROOT/reference"
 export REFERENCE_RESULTS="${REFERENCE_RESULTS:-$ROOT/runs/reference-vllm.json}"
