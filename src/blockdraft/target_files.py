@@ -52,6 +52,23 @@ def is_random(name_or_path) -> bool:
     return str(name_or_path).startswith(RANDOM_PREFIX)
 
 
+def target_gguf(name_or_path: str | os.PathLike | None) -> Path | None:
+    """The GGUF file of a target, when it has one: the embedded target's bundled file or a .gguf path."""
+    import importlib.util
+
+    if name_or_path is None:
+        return None
+    s = str(name_or_path)
+    if s in EMBEDDED:
+        pkg, fname, _ = EMBEDDED[s]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        return Path(spec.submodule_search_locations[0]) / fname
+    p = Path(s).expanduser()
+    return p if p.is_file() and p.suffix == ".gguf" else None
+
+
 def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
     """Map the embedded name or a GGUF file to a safetensors directory (converted once)."""
     s = str(name_or_path)

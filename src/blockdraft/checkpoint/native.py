@@ -141,12 +141,37 @@ def export_drafter(drafter: DFlashDrafter, dst: str | os.PathLike, to: str, *, v
     return _write(dst, out, fmt.write_weights(sd, cfg, ex)), found
 
 
+def export_gguf(drafter: DFlashDrafter, dst: str | os.PathLike, *, target_gguf: str | os.PathLike | None = None,
+                allow_mismatch: bool = False) -> tuple[Path, list[Difference]]:
+    """Write `drafter` as llama.cpp's DFlash GGUF file; `target_gguf` is the target file llama-server
+    loads (default: the embedded target's own GGUF). Refused where llama.cpp would compute another
+    function, unless `allow_mismatch`."""
+    from ..target_files import target_gguf as find_target_gguf
+    from .formats import gguf
+
+    cfg = drafter.config
+    found = gguf.differences(cfg)
+    if found and not allow_mismatch:
+        raise ValueError("llama.cpp would serve this GGUF as another function: " + "; ".join(map(str, found))
+                         + ". Retrain for the engine or pass --allow-mismatch")
+    target_gguf = target_gguf or find_target_gguf(cfg.target_name)
+    if target_gguf is None:
+        raise ValueError(f"the GGUF export copies the tokenizer from the target's GGUF (the file llama-server "
+                         f"loads); pass --target-gguf FILE (the drafter was trained for {cfg.target_name!r})")
+    return gguf.write(_state(drafter, None), cfg, dst, target_gguf), found
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
-            allow_mismatch: bool = False, num_target_layers: int | None = None) -> tuple[Path, list[Difference]]:
+            allow_mismatch: bool = False, num_target_layers: int | None = None,
+            target_gguf: str | os.PathLike | None = None) -> tuple[Path, list[Difference]]:
     """Rewrite a drafter directory in another format; the trained tensors are copied bit for bit."""
     path = resolve_drafter(src)
     if Path(dst).resolve() == path.resolve():
         raise ValueError("the destination is the source directory; choose a new directory")
+    if to == formats.GGUF:
+        dtype = read_weights(path)["fc.weight"].dtype
+        return export_gguf(load_drafter(path, num_target_layers=num_target_layers, dtype=dtype), dst,
+                           target_gguf=target_gguf, allow_mismatch=allow_mismatch)
     dtype = read_weights(path)["fc.weight"].dtype  # kept: the tensors are copied, not re-rounded
     drafter = load_drafter(path, num_target_layers=num_target_layers, dtype=dtype)
     raw, _ = read_config(path, num_target_layers)

@@ -11,6 +11,8 @@ from . import speculators, zlab
 from .base import Difference, Export, Format, native_weights
 
 FORMATS: dict[str, Format] = {f.name: f for f in (zlab.FORMAT, speculators.FORMAT)}
+GGUF = "gguf"  # llama.cpp's one-file drafter (formats/gguf.py): written by `convert`, never read back
+EXPORTS = {**{f.name: f.description for f in FORMATS.values()}, GGUF: "llama.cpp's DFlash GGUF (one file)"}
 NATIVE = "zlab"  # save_drafter writes this config layout (weights keep `draft_vocab`)
 
 
@@ -37,5 +39,5 @@ def config_from_json(d: dict, num_target_layers: int | None = None) -> DrafterCo
     return FORMATS[kind].read_config(d, num_target_layers)
 
 
-__all__ = ["FORMATS", "NATIVE", "Difference", "Export", "Format", "config_from_json", "detect", "get",
+__all__ = ["EXPORTS", "FORMATS", "GGUF", "NATIVE", "Difference", "Export", "Format", "config_from_json", "detect", "get",
            "native_weights"]

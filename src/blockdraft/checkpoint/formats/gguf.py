@@ -1,0 +1,231 @@
+"""llama.cpp's DFlash drafter: one GGUF file of architecture `dflash` (read by `src/models/dflash.cpp`
+and `common/speculative.cpp` of llama.cpp b11434; DESIGN.md section 5 has what they compute).
+
+What the file says, and why:
+
+- `dflash.target_layers`: llama.cpp hands the drafter each listed target layer's *input*, which is
+  transformers' `hidden_states[id]`; clause 1's layer L is `hidden_states[L + 1]`, so the ids are
+  written through `hidden_states_index`, clause 1's one owner of that shift.
+- `dflash.block_size`, `tokenizer.ggml.mask_token_id` (clause 4), and the target's own tokenizer,
+  copied from the target GGUF that llama-server loads beside it (the engine checks the two agree).
+- `dflash.attention.causal`: one flag for every layer. Sliding layers causal in the block, full
+  layers bidirectional: a drafter that mixes them cannot be written. Its window
+  (`attention.sliding_window` + a per-layer pattern) masks a key when query - key >= W, which is
+  the `query` rule; it never masks keys after the query, so a bidirectional window narrower than
+  the block cannot be written either.
+- Tensors: llama.cpp's names for the native ones. The target's embedding and head are not stored
+  (llama.cpp takes the target's); a draft vocabulary is `d2t` (int64 *target ids*, which llama.cpp
+  scatters the draft logits onto) with the head's draft rows as `output.weight`, read from the
+  target GGUF itself. Norm gains are stored in fp32, matrices in the drafter's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...config import FULL, SLIDING, WINDOW_ANCHOR, DrafterConfig
+from .base import ANCHOR_RULE_SERVED, Difference
+
+ARCH = "dflash"
+CONSUMER = "llama.cpp"
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # what dflash.cpp's FFN accepts
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight"}
+
+
+def tensor_name(native: str) -> str:
+    """A native tensor's name in llama.cpp's DFlash GGUF (ValueError for one it has no place for)."""
+    if native in _TOP:
+        return _TOP[native]
+    parts = native.split(".")
+    if parts[0] == "layers" and len(parts) >= 4 and parts[-1] == "weight":
+        module = ".".join(parts[2:-1])
+        if module in _LAYER:
+            return f"blk.{int(parts[1])}.{_LAYER[module]}.weight"
+    raise ValueError(f"llama.cpp's DFlash GGUF has no tensor for {native}")
+
+
+def causal_flag(cfg: DrafterConfig) -> bool:
+    """llama.cpp's one `dflash.attention.causal` for this drafter (only meaningful when
+    `differences` refuses nothing): causal exactly when every layer is a causal sliding one."""
+    return cfg.has_sliding and cfg.sliding_causal_in_block and all(t == SLIDING for t in cfg.layer_types)
+
+
+def differences(cfg: DrafterConfig) -> list[Difference]:
+    """Where llama.cpp b11434 would compute another function from the GGUF (all refusals)."""
+    out = []
+
+    def refuse(what: str) -> None:
+        out.append(Difference(CONSUMER, True, what))
+
+    if cfg.attention_bias:
+        refuse("loads no attention biases (this drafter has q/k/v/o biases)")
+    if cfg.hidden_act not in ACTIVATIONS:
+        refuse(f"runs the FFN with silu or gelu only, not {cfg.hidden_act}")
+    types = set(cfg.layer_types)
+    if cfg.has_sliding:
+        if cfg.sliding_window_rule == WINDOW_ANCHOR:
+            refuse(ANCHOR_RULE_SERVED)
+        if FULL in types and cfg.sliding_causal_in_block:
+            refuse("sets one causality flag for all draft layers; this drafter has causal sliding and "
+                   "bidirectional full layers")
+        if not cfg.sliding_causal_in_block and cfg.sliding_window < cfg.block_size:
+            refuse(f"never masks block slots after the query, but this drafter's bidirectional "
+                   f"{cfg.sliding_window}-token window is narrower than its {cfg.block_size}-token block")
+    return out
+
+
+# ------------------------------------------------------------------------ the target's GGUF
+def _fields(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file ({e})") from None
+
+
+def _target_arch(reader) -> str:
+    f = reader.fields.get("general.architecture")
+    if f is None:
+        raise ValueError("the target GGUF has no general.architecture")
+    return str(f.contents())
+
+
+def _target_value(reader, key: str):
+    f = reader.fields.get(f"{_target_arch(reader)}.{key}")
+    return None if f is None else f.contents()
+
+
+def check_target(reader, cfg: DrafterConfig, path: Path) -> None:
+    """The target GGUF must be the target the drafter was trained for: its width, depth and vocabulary."""
+    arch = _target_arch(reader)
+    if arch == ARCH:
+        raise ValueError(f"{path} is a DFlash drafter, not a target model")
+    checks = (("embedding_length", cfg.target_hidden_size, "hidden size"),
+              ("block_count", cfg.target_num_layers, "decoder layers"))
+    for key, want, what in checks:
+        got = _target_value(reader, key)
+        if got is not None and int(got) != int(want):
+            raise ValueError(f"{path} is not this drafter's target: {got} {what}, the drafter was trained on {want}")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{path} has no tokenizer (tokenizer.ggml.tokens); llama.cpp needs the target's own")
+    if len(tokens.data) != cfg.vocab_size:
+        raise ValueError(f"{path} has {len(tokens.data)} tokens, the drafter's vocabulary has {cfg.vocab_size}")
+
+
+def head_rows(reader, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the target's output head as llama-server holds it (`output.weight`, else the tied
+    `token_embd.weight`), dequantized to fp32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    by_name = {t.name: t for t in reader.tensors}
+    t = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    if t is None:
+        raise ValueError("the target GGUF has neither output.weight nor token_embd.weight")
+    rows = dequantize(t.data, GGMLQuantizationType(int(t.tensor_type)))
+    rows = np.asarray(rows, dtype=np.float32).reshape(-1, int(t.shape[0]))  # ggml ne[0] is the row length
+    return torch.from_numpy(rows[ids.numpy()].copy())
+
+
+# ------------------------------------------------------------------------------ the writer
+def _array(t: torch.Tensor, *, norm: bool):
+    """(numpy array, raw dtype or None) as GGUFWriter.add_tensor takes them."""
+    from gguf import GGMLQuantizationType
+
+    t = t.detach().cpu().contiguous()
+    if norm or t.dtype == torch.float32:
+        return t.float().numpy(), None
+    if t.dtype == torch.float16:
+        return t.numpy(), None
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), GGMLQuantizationType.BF16
+    raise ValueError(f"cannot store a {t.dtype} tensor in the GGUF")
+
+
+def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str | os.PathLike,
+          name: str = "blockdraft DFlash drafter") -> Path:
+    """Write the drafter's native tensors `sd` (fc scale folded in) as llama.cpp's DFlash GGUF at
+    `dst`, atomically (a crash leaves no half file). The tokenizer and a draft vocabulary's head
+    rows come from `target_gguf`."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    from ...atomic import check_free_space
+    from ...target import hidden_states_index
+
+    src = Path(target_gguf)
+    if not src.is_file():
+        raise ValueError(f"--target-gguf {src}: no such file")
+    reader = _fields(src)
+    check_target(reader, cfg, src)
+    dst = Path(dst)
+    if dst.is_dir():
+        raise ValueError(f"{dst} is a directory; the GGUF export is one file (e.g. {dst / 'draft.gguf'})")
+    if dst.suffix != ".gguf":
+        raise ValueError(f"{dst}: name the GGUF file with a .gguf suffix")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(dst.parent, sum(v.numel() * v.element_size() for v in sd.values()) + 2**22, "the GGUF file")
+
+    w_tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    wr = GGUFWriter(str(w_tmp), ARCH)
+    try:
+        wr.add_name(name)
+        a = ARCH
+        wr.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+        wr.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
+        wr.add_uint32(f"{a}.block_count", cfg.num_hidden_layers)
+        wr.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
+        wr.add_uint32(f"{a}.attention.head_count", cfg.num_attention_heads)
+        wr.add_uint32(f"{a}.attention.head_count_kv", cfg.num_key_value_heads)
+        wr.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
+        wr.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+        wr.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+        wr.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
+        wr.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
+        wr.add_uint32(f"{a}.vocab_size", cfg.vocab_size)
+        if cfg.hidden_act != "silu":
+            wr.add_string(f"{a}.hidden_activation", cfg.hidden_act)
+        wr.add_uint32(f"{a}.block_size", cfg.block_size)
+        wr.add_key_value(f"{a}.target_layers", [hidden_states_index(L) for L in cfg.target_layer_ids],
+                         GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+        wr.add_bool(f"{a}.attention.causal", causal_flag(cfg))
+        if cfg.has_sliding:
+            wr.add_uint32(f"{a}.attention.sliding_window", cfg.sliding_window)
+            wr.add_key_value(f"{a}.attention.sliding_window_pattern", [t == SLIDING for t in cfg.layer_types],
+                             GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+        for key, field in reader.fields.items():  # the target's tokenizer, as the engine loads it
+            if key.startswith("tokenizer.") and key != "tokenizer.ggml.mask_token_id":
+                vtype = field.types[0]
+                sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+                wr.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        wr.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
+
+        for k, v in sd.items():
+            if k == "draft_vocab":
+                continue
+            arr, raw = _array(v, norm=v.dim() == 1)
+            wr.add_tensor(tensor_name(k), arr, raw_dtype=raw)
+        if cfg.draft_vocab_size:
+            ids = sd["draft_vocab"].to(torch.long)
+            rows = head_rows(reader, ids).to(sd["fc.weight"].dtype)
+            arr, raw = _array(rows, norm=False)
+            wr.add_tensor("output.weight", arr, raw_dtype=raw)
+            wr.add_tensor("d2t", ids.numpy().astype(np.int64))
+        wr.write_header_to_file()
+        wr.write_kv_data_to_file()
+        wr.write_tensors_to_file()
+        wr.close()
+        os.replace(w_tmp, dst)
+    finally:
+        if w_tmp.exists():
+            w_tmp.unlink()
+    return dst
