@@ -52,3 +52,19 @@ def test_doctor_names_sglang_apart_from_vllm():
     assert check_capture(t).status == PASS
     c = check_capture_sglang(t)
     assert c.status == WARN and "Qwen2ForCausalLM" in c.message and "set_dflash_layers_to_capture" in c.message
+
+
+def test_doctor_names_llamacpp_apart_from_vllm():
+    """llama.cpp b11434 records layer inputs for llama, qwen3, gpt-oss, ... but not for qwen2 or
+    deepseek-v3 (Kimi-K2), which vLLM serves."""
+    from blockdraft.doctor import check_capture_llamacpp
+
+    t = tiny_target("llama")
+    assert check_capture_llamacpp(t).status == PASS
+    for arch in ("Qwen2ForCausalLM", "DeepseekV3ForCausalLM"):
+        t.model.config.architectures = [arch]
+        assert check_capture(t).status == PASS
+        c = check_capture_llamacpp(t)
+        assert c.status == WARN and arch in c.message and "b11434" in c.message
+    t.model.config.architectures = ["GptOssForCausalLM"]
+    assert check_capture_llamacpp(t).status == PASS

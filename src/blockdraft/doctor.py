@@ -141,15 +141,17 @@ def check_family(target) -> Check:
 def check_engines(drafter) -> Check:
     """What each consumer of each export computes (checkpoint.formats): a serving engine that would
     compute another function is a WARN naming it; everything else is listed."""
-    from .checkpoint.formats import FORMATS
+    from .checkpoint.formats import FORMATS, GGUF
+    from .checkpoint.formats import gguf
 
     found = [(name, d) for name, f in FORMATS.items() for d in f.differences(drafter.config)]
+    found += [(GGUF, d) for d in gguf.differences(drafter.config)]
     refused = [f"{name} -> {d}" for name, d in found if d.refuse]
     if refused:
         return Check("serving engines", WARN, "; ".join(refused),
                      "retrain with the engines' rule (blockdraft train --window-rule query)")
     notes = "; ".join(f"{name} -> {d}" for name, d in found)
-    return Check("serving engines", PASS, "dflash, SGLang and vLLM compute this drafter's function"
+    return Check("serving engines", PASS, "dflash, SGLang, vLLM and llama.cpp compute this drafter's function"
                  + (f" (notes: {notes})" if notes else ""))
 
 
@@ -179,6 +181,51 @@ def check_capture_sglang(target) -> Check:
     return Check("target capture (SGLang)", WARN, f"SGLang cannot capture {archs[0]}'s hidden states (its class "
                  f"lacks set_dflash_layers_to_capture, by {source}): SGLang's DFlash worker refuses it",
                  "serve with another engine (vLLM, llama.cpp, blockdraft) or an SGLang that adds it")
+
+
+def check_capture_llamacpp(target) -> Check:
+    """Whether llama.cpp's graph for this target records the layer inputs a DFlash drafter reads."""
+    from .engines.llamacpp import LLAMACPP_CAPTURE, LLAMACPP_READ
+
+    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    if any(a in LLAMACPP_CAPTURE for a in archs):
+        return Check("target capture (llama.cpp)", PASS, f"llama.cpp can run {archs[0]} as a DFlash target "
+                     f"(its graph records the layer inputs, by llama.cpp {LLAMACPP_READ}'s source)")
+    return Check("target capture (llama.cpp)", WARN, f"llama.cpp's graph for {archs[0]} does not record layer inputs "
+                 f"(by llama.cpp {LLAMACPP_READ}'s source): llama-server cannot run its DFlash drafter",
+                 "serve with another engine (vLLM, SGLang, blockdraft) or a llama.cpp that adds it")
+
+
+def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
+    """llama-server with this drafter's GGUF against target-only llama-server and blockdraft's drafter."""
+    import tempfile
+
+    from .bench.prompts import load_prompt_set
+    from .checkpoint.native import export_gguf
+    from .data.chat import encode_prompt
+    from .engines.llamacpp import compare
+
+    prompts = [encode_prompt(target.tokenizer, m)[0].tolist() for m in load_prompt_set("mtbench", 3)]
+    src = target_gguf or _target_gguf(drafter)
+    with tempfile.TemporaryDirectory(prefix="blockdraft-doctor-") as tmp:
+        path, _ = export_gguf(drafter, f"{tmp}/draft.gguf", target_gguf=src, allow_mismatch=True)
+        got = compare(target, drafter, prompts, target_gguf=src, drafter_gguf=path, max_new_tokens=96, log_dir=tmp)
+    ok = got["identical"] and got["slot_agreement"] >= 0.95
+    msg = (f"llama.cpp drafts the tokens blockdraft drafts at {got['slot_agreement']:.1%} of {got['draft_calls']} "
+           f"blocks' slots and accepts {got['llamacpp_tau']:.2f} tokens per step; outputs "
+           f"{'identical' if got['identical'] else 'DIFFER'}")
+    return Check("llama.cpp", PASS if ok else FAIL, msg,
+                 "" if ok else "llama.cpp computes another function from the GGUF: check `blockdraft convert "
+                               "--to gguf`'s refusals and the target GGUF (--target-gguf)")
+
+
+def _target_gguf(drafter) -> str:
+    from .target_files import target_gguf
+
+    found = target_gguf(drafter.config.target_name)
+    if found is None:
+        raise ValueError("the llama.cpp check needs the target's GGUF file: pass --target-gguf FILE")
+    return str(found)
 
 
 def check_data(target, path: str | None) -> Check:
@@ -294,7 +341,8 @@ def sample_input(target, data: str | None) -> torch.Tensor:
     return encode_prompt(target.tokenizer, [{"role": "user", "content": text}])
 
 
-NEEDS_CHECKPOINT = ("checkpoint", "target match", "serving engines", "serving = training", "vLLM acceptance")
+NEEDS_CHECKPOINT = ("checkpoint", "target match", "serving engines", "serving = training", "vLLM acceptance",
+                    "llama.cpp")
 
 
 def probe_drafter(target):
@@ -307,7 +355,8 @@ def probe_drafter(target):
 
 
 def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tensor | None = None, *,
-               vllm: bool = False, debug: bool = False) -> list[Check]:
+               vllm: bool = False, llama_cpp: bool = False, target_gguf: str | None = None,
+               debug: bool = False) -> list[Check]:
     """All checks; with `drafter` None, those that need no checkpoint (on a probe drafter)."""
     ids = sample_input(target, data) if sample_ids is None else sample_ids
     probe = drafter is None
@@ -320,6 +369,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
         _guard("target family", check_family, target, debug=debug),
         _guard("target capture", check_capture, target, debug=debug),
         _guard("target capture (SGLang)", check_capture_sglang, target, debug=debug),
+        _guard("target capture (llama.cpp)", check_capture_llamacpp, target, debug=debug),
         _guard("data", check_data, target, data, debug=debug),
         _guard("greedy identity", check_greedy, target, d, ids, debug=debug),
     ]
@@ -333,6 +383,8 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
     checks.append(_guard("serving = training", check_serving, target, d, ids, debug=debug))
     if vllm:
         checks.append(_guard("vLLM acceptance", check_vllm, target, d, ids, debug=debug))
+    if llama_cpp:
+        checks.append(_guard("llama.cpp", check_llamacpp, target, d, target_gguf, debug=debug))
     return checks
 
 
@@ -347,7 +399,8 @@ def report(checks: list[Check], as_json: bool = False) -> str:
 
 
 def doctor_main(target_name: str, drafter_path: str | None, data: str | None, device: str | None, *,
-                vllm: bool = False, debug: bool = False) -> list[Check]:
+                vllm: bool = False, llama_cpp: bool = False, target_gguf: str | None = None,
+                debug: bool = False) -> list[Check]:
     """Load what can be loaded; a checkpoint or target that does not load is itself a FAIL."""
     from .checkpoint import load_drafter
     from .target import TargetModel, target_num_layers
@@ -363,4 +416,9 @@ def doctor_main(target_name: str, drafter_path: str | None, data: str | None, de
         target = TargetModel.from_pretrained(target_name, layer_ids=ids, device=device)
     except ValueError as e:
         return [Check("layer ids", FAIL, str(e), "the checkpoint's target_layer_ids do not fit this target")]
-    return run_doctor(target, drafter, data, vllm=vllm, debug=debug)
+    if target_gguf is None:
+        from .target_files import target_gguf as find
+
+        found = find(target_name)
+        target_gguf = None if found is None else str(found)
+    return run_doctor(target, drafter, data, vllm=vllm, llama_cpp=llama_cpp, target_gguf=target_gguf, debug=debug)

