@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The consumers' reference suite: speculators, z-lab's dflash and vLLM load blockdraft's files as
+# The consumers' reference suite: speculators, z-lab's dflash, vLLM and llama.cpp load blockdraft's files as
 # written and compute the same function (see reference/README.md). Run after the main suite, which
 # converts the SmolLM2 target into the local cache the reference environments read.
 #   MAIN_PYTHON   the project's interpreter (default .venv/bin/python), used to fill the cache
@@ -23,4 +23,6 @@ mkdir -p "$BASE"
   reference/test_dflash.py reference/test_speculators.py
 .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
   reference/test_vllm_extract.py
+BLOCKDRAFT_LLAMA_SERVER="$ROOT/.venv-ref-llama/bin/llama-server" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \
+  --basetemp="$BASE/llama" -rs reference/test_llamacpp.py
 rm -rf "$BASE"

