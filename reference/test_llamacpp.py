@@ -118,3 +118,15 @@ def test_layer_ids_off_by_one_are_caught(setup, monkeypatch):
     record(off_by_one=bad)
     assert bad["identical"]
     assert bad["slot_agreement"] < 0.85 and bad["slot_agreement"] < got["slot_agreement"] - 0.1, (bad, got)
+
+
+def test_doctor_llama_cpp_passes_the_shipped_drafter_and_fails_an_off_by_one(setup, monkeypatch):
+    import blockdraft.target as target_module
+    from blockdraft.doctor import FAIL, PASS, check_llamacpp
+
+    _, _, target, drafter, _, _ = setup
+    good = check_llamacpp(target, drafter, str(target_gguf("smollm2")))
+    assert good.status == PASS, good.message
+    monkeypatch.setattr(target_module, "hidden_states_index", lambda L: L)  # the export inside the check
+    bad = check_llamacpp(target, drafter, str(target_gguf("smollm2")))
+    assert bad.status == FAIL and "identical" in bad.message, bad.message

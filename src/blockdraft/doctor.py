@@ -211,8 +211,8 @@ def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
         path, _ = export_gguf(drafter, f"{tmp}/draft.gguf", target_gguf=src, allow_mismatch=True)
         got = compare(target, drafter, prompts, target_gguf=src, drafter_gguf=path, max_new_tokens=96, log_dir=tmp)
     ok = got["identical"] and got["slot_agreement"] >= 0.95
-    msg = (f"llama.cpp drafts the tokens blockdraft drafts at {got['slot_agreement']:.1%} of {got['draft_calls']} "
-           f"blocks' slots and accepts {got['llamacpp_tau']:.2f} tokens per step; outputs "
+    msg = (f"llama.cpp drafts blockdraft's tokens in {got['slot_agreement']:.1%} of the slots of its "
+           f"{got['draft_calls']} drafts and accepts {got['llamacpp_tau']:.2f} tokens per step; outputs "
            f"{'identical' if got['identical'] else 'DIFFER'}")
     return Check("llama.cpp", PASS if ok else FAIL, msg,
                  "" if ok else "llama.cpp computes another function from the GGUF: check `blockdraft convert "
