@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def run(server, prompts, max_new_tokens):
     n = ms = 0.0
     for p in prompts:
-        r = server._post("/completion", {"prompt": p, "n_predict": max_new_tokens, "temperature": 0.0,
+        r = server.post("/completion", {"prompt": p, "n_predict": max_new_tokens, "temperature": 0.0,
                                          "cache_prompt": False})
         n += r["timings"]["predicted_n"]
         ms += r["timings"]["predicted_ms"]
@@ -39,9 +39,9 @@ def run(server, prompts, max_new_tokens):
 
 def verify_cost(server, prompt, block):
     """(ms for a `block`-token batch after the prompt) / (ms per decoded token), llama.cpp's target."""
-    server._post("/completion", {"prompt": prompt, "n_predict": 1, "cache_prompt": True})
+    server.post("/completion", {"prompt": prompt, "n_predict": 1, "cache_prompt": True})
     ext = prompt + prompt[-block:]  # the cached prefix plus `block` new tokens
-    r = server._post("/completion", {"prompt": ext, "n_predict": 64, "temperature": 0.0, "cache_prompt": True,
+    r = server.post("/completion", {"prompt": ext, "n_predict": 64, "temperature": 0.0, "cache_prompt": True,
                                      "ignore_eos": True})
     t = r["timings"]
     return t["prompt_ms"] / max(1, t["prompt_n"]) * block / t["predicted_per_token_ms"], t["prompt_n"]

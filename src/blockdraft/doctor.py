@@ -155,11 +155,16 @@ def check_engines(drafter) -> Check:
                  + (f" (notes: {notes})" if notes else ""))
 
 
+def _architectures(target) -> list[str]:
+    """The target's HF architecture names (its class name when the config has none)."""
+    return list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+
+
 def check_capture(target) -> Check:
     """Which serving engines can hand a DFlash drafter this target's hidden states (blockdraft.serving)."""
     from .serving import vllm_capture
 
-    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    archs = _architectures(target)
     known, source = vllm_capture()
     if any(a in known for a in archs):
         return Check("target capture", PASS, f"vLLM can run {archs[0]} as a DFlash target (SupportsEagle3, by {source})")
@@ -173,7 +178,7 @@ def check_capture_sglang(target) -> Check:
     """Whether SGLang's DFlash worker can capture this target's hidden states (blockdraft.serving_sglang)."""
     from .serving_sglang import sglang_capture
 
-    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    archs = _architectures(target)
     known, source = sglang_capture()
     if any(a in known for a in archs):
         return Check("target capture (SGLang)", PASS, f"SGLang can run {archs[0]} as a DFlash target "
@@ -187,7 +192,7 @@ def check_capture_llamacpp(target) -> Check:
     """Whether llama.cpp's graph for this target records the layer inputs a DFlash drafter reads."""
     from .engines.llamacpp import LLAMACPP_CAPTURE, LLAMACPP_READ
 
-    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    archs = _architectures(target)
     if any(a in LLAMACPP_CAPTURE for a in archs):
         return Check("target capture (llama.cpp)", PASS, f"llama.cpp can run {archs[0]} as a DFlash target "
                      f"(its graph records the layer inputs, by llama.cpp {LLAMACPP_READ}'s source)")

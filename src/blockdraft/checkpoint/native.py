@@ -168,13 +168,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier
     path = resolve_drafter(src)
     if Path(dst).resolve() == path.resolve():
         raise ValueError("the destination is the source directory; choose a new directory")
-    if to == formats.GGUF:
-        dtype = read_weights(path)["fc.weight"].dtype
-        return export_gguf(load_drafter(path, num_target_layers=num_target_layers, dtype=dtype), dst,
-                           target_gguf=target_gguf, allow_mismatch=allow_mismatch)
     dtype = read_weights(path)["fc.weight"].dtype  # kept: the tensors are copied, not re-rounded
     drafter = load_drafter(path, num_target_layers=num_target_layers, dtype=dtype)
     raw, _ = read_config(path, num_target_layers)
     if drafter.config.target_name is None and formats.detect(raw) == "speculators":
         drafter.config.target_name = raw["speculators_config"]["verifier"]["name_or_path"]
+    if to == formats.GGUF:
+        return export_gguf(drafter, dst, target_gguf=target_gguf, allow_mismatch=allow_mismatch)
     return export_drafter(drafter, dst, to, verifier=verifier, allow_mismatch=allow_mismatch)

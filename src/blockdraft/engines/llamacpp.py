@@ -84,7 +84,7 @@ class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log: Path):
         self.proc, self.port, self.log = proc, port, log
 
-    def _post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict) -> dict:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -92,7 +92,7 @@ class Server:
 
     def complete(self, ids: list[int], n_predict: int) -> list[int]:
         """Greedy continuation of the token ids `ids` (no prompt cache), as token ids."""
-        r = self._post("/completion", {"prompt": ids, "n_predict": n_predict, "temperature": 0.0,
+        r = self.post("/completion", {"prompt": ids, "n_predict": n_predict, "temperature": 0.0,
                                        "cache_prompt": False, "return_tokens": True})
         return [int(t) for t in r["tokens"]]
 

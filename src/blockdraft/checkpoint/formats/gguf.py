@@ -124,7 +124,8 @@ def check_target(reader, cfg: DrafterConfig, path: Path) -> None:
 
 def head_rows(reader, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the target's output head as llama-server holds it (`output.weight`, else the tied
-    `token_embd.weight`), dequantized to fp32."""
+    `token_embd.weight`), dequantized to fp32. Only those rows are read and dequantized (a 150k x
+    8k head would be 5 GB in fp32)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -132,9 +133,10 @@ def head_rows(reader, ids: torch.Tensor) -> torch.Tensor:
     t = by_name.get("output.weight") or by_name.get("token_embd.weight")
     if t is None:
         raise ValueError("the target GGUF has neither output.weight nor token_embd.weight")
-    rows = dequantize(t.data, GGMLQuantizationType(int(t.tensor_type)))
+    picked = np.asarray(t.data)[ids.numpy()]  # one row per vocabulary id, in bytes for quantized types
+    rows = dequantize(picked, GGMLQuantizationType(int(t.tensor_type)))
     rows = np.asarray(rows, dtype=np.float32).reshape(-1, int(t.shape[0]))  # ggml ne[0] is the row length
-    return torch.from_numpy(rows[ids.numpy()].copy())
+    return torch.from_numpy(rows)
 
 
 # ------------------------------------------------------------------------------ the writer
@@ -180,21 +182,18 @@ def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str
     try:
         wr.add_name(name)
         a = ARCH
-        wr.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
-        wr.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
-        wr.add_uint32(f"{a}.block_count", cfg.num_hidden_layers)
-        wr.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
-        wr.add_uint32(f"{a}.attention.head_count", cfg.num_attention_heads)
-        wr.add_uint32(f"{a}.attention.head_count_kv", cfg.num_key_value_heads)
-        wr.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-        wr.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+        for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                           ("block_count", cfg.num_hidden_layers), ("feed_forward_length", cfg.intermediate_size),
+                           ("attention.head_count", cfg.num_attention_heads),
+                           ("attention.head_count_kv", cfg.num_key_value_heads),
+                           ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
+                           ("rope.dimension_count", cfg.head_dim), ("vocab_size", cfg.vocab_size),
+                           ("block_size", cfg.block_size)):
+            wr.add_uint32(f"{a}.{key}", value)
         wr.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
         wr.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
-        wr.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
-        wr.add_uint32(f"{a}.vocab_size", cfg.vocab_size)
         if cfg.hidden_act != "silu":
             wr.add_string(f"{a}.hidden_activation", cfg.hidden_act)
-        wr.add_uint32(f"{a}.block_size", cfg.block_size)
         wr.add_key_value(f"{a}.target_layers", [hidden_states_index(L) for L in cfg.target_layer_ids],
                          GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
         wr.add_bool(f"{a}.attention.causal", causal_flag(cfg))
