@@ -149,6 +149,57 @@ def test_one_training_step_matches_speculators(tmp_path, case):
     assert ours.fc.weight.grad.abs().max() > 0
 
 
+def test_dpace_weights_equal_speculators():
+    """--gamma-schedule dpace computes speculators' own D-PACE weights (`dpace_loss_decay`) from the
+    same per-slot cross-entropy, holes in the loss mask and the untrained anchor slot included."""
+    from speculators.losses.utils import dpace_loss_decay
+
+    from blockdraft.train.loss import dpace_weights
+
+    g = torch.Generator().manual_seed(4)
+    N, b = 9, 6
+    sup = torch.rand(N, b, generator=g) < 0.8
+    sup[:, 0] = False
+    ce = torch.rand(N, b, generator=g) * 4 * sup  # speculators masks the loss before weighing it
+    for alpha in (0.5, 0.1):
+        theirs = dpace_loss_decay(torch.arange(N * b) % b, loss_mask=sup.reshape(1, -1).long(), block_size=b,
+                                  dpace_alpha=alpha, elementwise_loss=ce.reshape(1, -1))
+        torch.testing.assert_close(dpace_weights((-ce).exp(), sup, alpha), theirs.reshape(N, b))
+
+
+def test_one_dpace_training_step_matches_speculators(tmp_path):
+    """speculators' default recipe (D-PACE, cross-entropy) against `--gamma-schedule dpace --loss
+    hard` on one packed batch with the same anchors: the losses differ by the stated normalisation
+    (theirs / S, ours / the sum of the weights), and so do the fc gradients."""
+    from speculators.losses.utils import dpace_loss_decay
+
+    from blockdraft.train.loss import DPace
+
+    target = tiny_target()
+    ours = tiny_drafter(target, CASES["full-2layers"]).train()
+    theirs = load_speculators(export(tmp_path, target, ours, allow_mismatch=True)).train()
+    ids, doc, loss = packed_rows(target)
+    feats, last, pos = target_inputs(target, ids, doc)
+    torch.manual_seed(0)
+    _, their_loss, _ = theirs(feats, ids, loss, last, doc, pos, max_anchors=24, per_position_loss_weight="dpace",
+                              dpace_alpha=0.5, loss_config=losses.resolve_loss_config("ce", "eager"))
+    their_loss.backward()
+    torch.manual_seed(0)
+    logits, targets, mask, anchors, _, _ = their_forward(theirs, target, ids, doc, loss, n_anchors=24)
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.argmax(-1).reshape(-1),
+                                               reduction="none") * mask.reshape(-1)
+        w = dpace_loss_decay(None, loss_mask=mask.reshape(1, -1), block_size=B, dpace_alpha=0.5,
+                             elementwise_loss=ce.reshape(1, -1))
+    factor = float(w.sum() / mask.sum())
+    my_loss, _ = compute_loss(target, ours, Batch(ids, loss, pos, doc), anchors=anchors, gamma=DPace(0.5),
+                              loss="hard", backend="dense")
+    my_loss.backward()
+    torch.testing.assert_close(their_loss.detach(), my_loss.detach() * factor, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(theirs.fc.weight.grad, ours.fc.weight.grad * factor, rtol=1e-3, atol=1e-7)
+    assert ours.fc.weight.grad.abs().max() > 0
+
+
 def test_smollm2_drafter_loads_as_written_and_matches(tmp_path):
     """The shipped SmolLM2 drafter's weights (sliding, draft vocabulary) under speculators' own
     window rule (the anchor rule) through its converter, on real text: speculators' logits equal

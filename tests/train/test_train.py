@@ -196,10 +196,83 @@ def test_overfitting_one_batch_drives_the_loss_down():
     assert last["tau"] > first["tau"] + 0.5
 
 
+def brute_dpace(q, sup, alpha):
+    """D-PACE by its definition, one slot at a time: slot k weighs the sum over supervised j >= k
+    of the product over slots i <= j of (1 - alpha) q_i + alpha (1 where i is not supervised)."""
+    N, B = sup.shape
+    w = torch.zeros(N, B)
+    for n in range(N):
+        for k in range(B):
+            if not sup[n, k]:
+                continue
+            for j in range(k, B):
+                if sup[n, j]:
+                    w[n, k] += math.prod(((1 - alpha) * float(q[n, i]) + alpha) if sup[n, i] else 1.0
+                                         for i in range(j + 1))
+    return w
+
+
+def test_dpace_weights_match_their_definition():
+    from blockdraft.train.loss import dpace_weights
+
+    g = torch.Generator().manual_seed(1)
+    sup = torch.rand(7, 6, generator=g) < 0.75
+    sup[:, 0] = False
+    sup[0] = torch.tensor([False, True, True, False, True, True])  # a hole in the middle
+    q = torch.rand(7, 6, generator=g)
+    for alpha in (0.5, 0.2, 1.0):
+        torch.testing.assert_close(dpace_weights(q, sup, alpha), brute_dpace(q, sup, alpha))
+    assert torch.equal(dpace_weights(torch.ones(1, 4), torch.tensor([[False, True, True, True]]), 0.5),
+                       torch.tensor([[0.0, 3.0, 2.0, 1.0]]))  # a perfect drafter: the accepted length to go
+    with pytest.raises(ValueError, match="alpha"):
+        dpace_weights(q, sup, 0.0)
+
+
+@pytest.mark.parametrize("kind", ["hard", "kl"])
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 40, 3)])
+def test_dpace_loss_weighs_slots_by_the_drafts_own_confidence(kind, vocab):
+    """The D-PACE loss from per-slot losses and the draft's probability of the target's argmax
+    (0 where the draft vocabulary lacks it), computed here by hand; no gradient through the weights."""
+    from blockdraft.train.loss import DPace
+
+    g = torch.Generator().manual_seed(2)
+    sup = torch.rand(6, 5, generator=g) < 0.8
+    sup[:, 0] = False
+    S = int(sup.sum())
+    Vd = 40 if vocab is None else len(vocab)
+    dl = (torch.randn(S, Vd, generator=g) * 2).requires_grad_(True)
+    tl = torch.randn(S, 40, generator=g) * 3
+    loss, _ = dflash_loss(dl, tl, sup, gamma=DPace(0.3), kind=kind, draft_vocab=vocab)
+    top = tl.argmax(-1)
+    probs = dl.detach().softmax(-1)
+    q = torch.zeros(6, 5)
+    per, keep = [], []
+    for s in range(S):
+        ids = list(range(40)) if vocab is None else vocab.tolist()
+        qs = float(probs[s, ids.index(int(top[s]))]) if int(top[s]) in ids else 0.0
+        q[sup.nonzero()[s][0], sup.nonzero()[s][1]] = qs
+        t = tl[s] if vocab is None else tl[s, vocab]
+        logq = dl[s].log_softmax(-1)
+        if kind == "hard":
+            per.append(-logq[ids.index(int(top[s]))] if int(top[s]) in ids else logq.sum() * 0)
+            keep.append(1.0 if int(top[s]) in ids else 0.0)
+        else:
+            p = t.log_softmax(-1)
+            per.append((p.exp() * (p - logq)).sum())
+            keep.append(1.0)
+    w = brute_dpace(q, sup, 0.3)[sup] * torch.tensor(keep)
+    ref = (w * torch.stack(per)).sum() / w.sum()
+    torch.testing.assert_close(loss, ref)
+    (g1,) = torch.autograd.grad(loss, dl)
+    (g2,) = torch.autograd.grad(ref, dl)
+    torch.testing.assert_close(g1, g2)
+
+
 @pytest.mark.parametrize("kind", ["soft", "hard", "kl"])
 @pytest.mark.parametrize("vocab", [None, torch.arange(0, 40, 3)])
-def test_chunked_loss_equals_the_plain_loss_and_gradient(kind, vocab):
-    from blockdraft.train.loss import dflash_loss_chunked
+@pytest.mark.parametrize("weighting", ["gamma", "dpace"])
+def test_chunked_loss_equals_the_plain_loss_and_gradient(kind, vocab, weighting):
+    from blockdraft.train.loss import DPace, dflash_loss_chunked
 
     g = torch.Generator().manual_seed(0)
     sup = torch.rand(6, 5, generator=g) < 0.8
@@ -209,8 +282,9 @@ def test_chunked_loss_equals_the_plain_loss_and_gradient(kind, vocab):
     tl = torch.randn(S, 40, generator=g) * 3
     h1 = torch.randn(S, 8, generator=g, requires_grad=True)
     h2 = h1.detach().clone().requires_grad_(True)
-    l1, m1 = dflash_loss(h1 @ W.T, tl, sup, gamma=2.0, kind=kind, draft_vocab=vocab)
-    l2, m2 = dflash_loss_chunked(h2, lambda h: h @ W.T, tl, sup, gamma=2.0, kind=kind, draft_vocab=vocab, chunk=4)
+    gamma = 2.0 if weighting == "gamma" else DPace(0.5)
+    l1, m1 = dflash_loss(h1 @ W.T, tl, sup, gamma=gamma, kind=kind, draft_vocab=vocab)
+    l2, m2 = dflash_loss_chunked(h2, lambda h: h @ W.T, tl, sup, gamma=gamma, kind=kind, draft_vocab=vocab, chunk=4)
     l1.backward()
     l2.backward()
     torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-7)

@@ -220,6 +220,23 @@ def test_gamma_follows_the_acceptance_when_asked(tmp_path):
     assert {r["gamma"] for r in records(tmp_path / "b")} == {2.0}
 
 
+def test_dpace_schedule_trains_with_the_drafts_own_weights(tmp_path, monkeypatch):
+    """gamma_schedule "dpace": every step's loss is weighted by D-PACE (logged as such) with the
+    configured alpha; an alpha outside (0, 1] is refused before anything runs."""
+    from blockdraft.train import loss as loss_mod
+
+    seen = []
+    real = loss_mod.dpace_weights
+    monkeypatch.setattr(loss_mod, "dpace_weights", lambda q, s, a: seen.append(a) or real(q, s, a))
+    tr = make(tmp_path / "d", steps=3, gamma_schedule="dpace", dpace_alpha=0.25)
+    tr.train()
+    recs = records(tmp_path / "d")
+    assert [r["gamma"] for r in recs] == ["dpace"] * 3
+    assert seen and set(seen) == {0.25}
+    with pytest.raises(ValueError, match="dpace-alpha"):
+        TrainConfig(gamma_schedule="dpace", dpace_alpha=1.5).validate()
+
+
 @pytest.mark.parametrize("rule", [None, "query"])
 def test_continuing_an_anchor_rule_drafter_can_move_it_to_the_query_window(tmp_path, rule):
     """--init-drafter with --window-rule: the same weights, the engines' window rule. Without the

@@ -2,8 +2,8 @@
 
 Legend: N blocks, B block size, S supervised slots, V vocabulary.
 
-Per-slot weight w_k = exp(-(k-1)/gamma) for k >= 1, w_0 = 0; the loss is the weighted
-mean over supervised slots. The accepted length of a block is exact:
+Per-slot weight w_k = exp(-(k-1)/gamma) for k >= 1, w_0 = 0, or D-PACE's weights (`DPace`), which
+follow the drafter's own confidence; the loss is the weighted mean over supervised slots. The accepted length of a block is exact:
 1 + the number of leading slots whose argmax equals the target's argmax (a slot that is
 not supervised ends the run, since it cannot be verified).
 """
@@ -33,6 +33,30 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
+
+
+class DPace(NamedTuple):
+    """D-PACE slot weights (speculators' DFlash default since its PR #736), used in place of a gamma.
+
+    With q_k the drafter's probability of the target's argmax at slot k (exp(-CE)) and
+    c_k = (1 - alpha) q_k + alpha (1 on slots outside the loss), a supervised slot k weighs
+    sum over supervised j >= k of c_1 ... c_j: how much of the expected accepted length still
+    rides on slot k. The weights are constants of the step (no gradient flows through them).
+    speculators divides the weighted sum by the number of supervised slots; blockdraft, as for
+    every weighting, by the sum of the weights."""
+
+    alpha: float = 0.5
+
+
+def dpace_weights(confidence: torch.Tensor, supervised: torch.Tensor, alpha: float) -> torch.Tensor:
+    """[N, B] the drafter's probability of the target's argmax per slot, [N, B] bool -> [N, B] D-PACE
+    weights (0 off the supervised slots)."""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"the D-PACE alpha must be in (0, 1], got {alpha}")
+    mask = supervised.to(torch.float32)
+    c = torch.where(supervised, (1 - alpha) * confidence.detach().float() + alpha, torch.ones_like(mask))
+    reach = torch.cumprod(c, dim=1) * mask  # [N, B] chance-like mass of reaching slot j
+    return reach.flip(1).cumsum(1).flip(1) * mask
 
 
 def slot_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -95,7 +119,10 @@ def _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab):
     slot -> row index [S], and whether the rows still need restricting to the draft vocabulary
     (hard loss: slots whose argmax lies outside the draft vocabulary get weight 0)."""
     N, B = supervised.shape
-    w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
+    if isinstance(gamma, DPace):  # its weights need the draft: here only the hard loss's mask below
+        w = torch.ones(int(supervised.sum()), device=supervised.device)
+    else:
+        w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
     lab = as_labels(target_logits)
     restricted = lab.top is not None
     if restricted:
@@ -140,6 +167,28 @@ def _metrics(loss: torch.Tensor, hit: torch.Tensor, supervised: torch.Tensor, sy
             "totals": totals}
 
 
+def _confidence(draft_logits: torch.Tensor, target_top: torch.Tensor, draft_vocab) -> torch.Tensor:
+    """[s, Vd], [s] target argmax (full vocabulary) -> [s] the drafter's probability of it (0 for a
+    token outside the draft vocabulary, whose ids are sorted)."""
+    with torch.no_grad():
+        logq = F.log_softmax(draft_logits.float(), dim=-1)
+        if draft_vocab is None:
+            return logq.gather(1, target_top[:, None])[:, 0].exp()
+        at = torch.searchsorted(draft_vocab, target_top).clamp(max=len(draft_vocab) - 1)
+        inside = draft_vocab[at] == target_top
+        return torch.where(inside, logq.gather(1, at[:, None])[:, 0].exp(), torch.zeros_like(logq[:, 0]))
+
+
+def _weighted(w, per, confidence, supervised, gamma):
+    """The loss from per-slot losses [S]: the fixed weights `w`, or D-PACE's from the confidences [S]
+    (times `w`, which then holds only the hard loss's draft-vocabulary mask)."""
+    if isinstance(gamma, DPace):
+        q = torch.zeros(supervised.shape, dtype=torch.float32, device=supervised.device)
+        q[supervised] = confidence
+        w = dpace_weights(q, supervised, gamma.alpha)[supervised] * w
+    return (w * per).sum() / w.sum().clamp(min=1e-12)
+
+
 def _slot_labels(logits: torch.Tensor, index: torch.Tensor, draft_vocab, restrict: bool) -> torch.Tensor:
     """The label rows of some slots [s, V'], gathered now (inside a loss chunk)."""
     t = logits[index]
@@ -147,7 +196,7 @@ def _slot_labels(logits: torch.Tensor, index: torch.Tensor, draft_vocab, restric
 
 
 def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Tensor, *,
-                gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None,
+                gamma: "float | DPace", kind: str = "soft", draft_vocab: torch.Tensor | None = None,
                 sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """draft logits [S, Vd] and the target's label logits for the supervised slots of `supervised`
     [N, B] (row-major order): [S, V] per slot, or `Labels` (distinct rows + index). With a draft
@@ -172,12 +221,13 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Ten
     if draft_vocab is not None:
         draft_top = draft_vocab[draft_top]
     per = slot_losses(draft_logits, _slot_labels(logits, index, draft_vocab, restrict), kind)  # [S]
-    loss = (w * per).sum() / w.sum().clamp(min=1e-12)
+    conf = _confidence(draft_logits, target_top, draft_vocab) if isinstance(gamma, DPace) else None
+    loss = _weighted(w, per, conf, supervised, gamma)
     return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)
 
 
 def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,
-                        gamma: float, kind: str = "soft", draft_vocab: torch.Tensor | None = None,
+                        gamma: "float | DPace", kind: str = "soft", draft_vocab: torch.Tensor | None = None,
                         chunk: int = 256, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
     never holding the [S, Vd] draft logits nor an [S, V] copy of the labels: each chunk of slots
@@ -191,18 +241,23 @@ def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: t
                            sync_metrics=sync_metrics)
     w, target_top, logits, index, restrict = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
 
-    def part(h, idx, wc):
+    dpace = isinstance(gamma, DPace)
+
+    def part(h, idx, top_t):
         t = _slot_labels(logits, idx, draft_vocab, restrict)  # [chunk, V'] made here, freed after
         draft = head(h)  # [chunk, Vd]
-        return (wc * slot_losses(draft, t, kind)).sum(), draft.argmax(-1)
+        conf = _confidence(draft, top_t, draft_vocab) if dpace else top_t.new_zeros(0, dtype=torch.float32)
+        return slot_losses(draft, t, kind), draft.argmax(-1), conf
 
-    total, tops = hidden.new_zeros((), dtype=torch.float32), []
+    pers, tops, confs = [], [], []
     for i in range(0, S, chunk):
         sl = slice(i, i + chunk)
-        part_sum, top = checkpoint(part, hidden[sl], index[sl], w[sl], use_reentrant=False)
-        total = total + part_sum
+        per, top, conf = checkpoint(part, hidden[sl], index[sl], target_top[sl], use_reentrant=False)
+        pers.append(per)
         tops.append(top)
-    loss = total / w.sum().clamp(min=1e-12)
+        confs.append(conf)
+    # the per-slot losses [S] are weighted after all chunks: D-PACE's weights need every slot's draft
+    loss = _weighted(w, torch.cat(pers), torch.cat(confs) if dpace else None, supervised, gamma)
     draft_top = torch.cat(tops)
     if draft_vocab is not None:
         draft_top = draft_vocab[draft_top]

@@ -24,8 +24,11 @@ class TrainConfig:
     gamma: float | None = opt(None, "slot weights exp(-(k-1)/gamma) (default: the paper's, 7 at block 16)")
     gamma_schedule: str = opt("acceptance", "acceptance: gamma follows the training acceptance, tau - 1/2 (at "
                                             "least 0.5, at most --gamma or the paper's), so the weight moves to the "
-                                            "far slots as the drafter reaches them; fixed: --gamma throughout",
-                              choices=("fixed", "acceptance"))
+                                            "far slots as the drafter reaches them; fixed: --gamma throughout; "
+                                            "dpace: speculators' D-PACE weights, from the drafter's own confidence "
+                                            "per slot (--gamma unused)",
+                              choices=("fixed", "acceptance", "dpace"))
+    dpace_alpha: float = opt(0.5, "--gamma-schedule dpace: the confidence smoothing, in (0, 1] (speculators' 0.5)")
     eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end)")
     save_every: int = opt(25, "checkpoint every N steps (and after the first and the last)")
     seed: int = opt(0, "seed of the drafter's initialisation, the data order, the anchors and the split")
@@ -58,6 +61,8 @@ class TrainConfig:
             raise ValueError(f"row_shards must be >= 1, got {self.row_shards}")
         if self.dist_timeout_min <= 0:
             raise ValueError(f"--dist-timeout-min must be > 0, got {self.dist_timeout_min}")
+        if not 0 < self.dpace_alpha <= 1:
+            raise ValueError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.eval_every < 1 or self.save_every < 1:
             raise ValueError("--eval-every and --save-every must be >= 1")
 

@@ -82,12 +82,16 @@ class Trainer:
         self._prefetch = None  # a feature cache is read one micro-batch ahead (prefetch.Prefetcher)
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
 
-    def gamma(self) -> float | None:
-        """This step's slot-weight gamma: fixed, or following the acceptance (`gamma_schedule`)."""
+    def gamma(self):
+        """This step's slot weighting (`gamma_schedule`): a fixed gamma, one following the acceptance,
+        or D-PACE's (`loss.DPace`: the weights come from the step's own drafts)."""
         cfg = self.cfg
         if cfg.gamma_schedule == "fixed":
             return cfg.gamma
-        from .loss import default_gamma
+        from .loss import DPace, default_gamma
+
+        if cfg.gamma_schedule == "dpace":
+            return DPace(cfg.dpace_alpha)
 
         top = cfg.gamma if cfg.gamma is not None else default_gamma(self.drafter.block_size)
         return min(top, max(0.5, self.progress.get("tau_ema", 1.0) - 0.5))
@@ -278,7 +282,8 @@ class Trainer:
         # the training acceptance, smoothed (gamma_schedule "acceptance" follows it; saved, so resume is exact)
         self.progress["tau_ema"] = 0.9 * self.progress.get("tau_ema", agg["tau"]) + 0.1 * agg["tau"]
         step_s = time.perf_counter() - t_start  # the loss's host read above waited for the device
-        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], gamma=gamma, step_s=step_s,
+        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], step_s=step_s,
+                   gamma="dpace" if cfg.gamma_schedule == "dpace" else gamma,
                    tokens_per_s=tokens / step_s)
         if dev.type == "cuda":  # this step's peak on every rank, in GiB
             agg["peak_mem_gib"] = all_gather_floats([torch.cuda.max_memory_allocated(dev) / 2**30])
