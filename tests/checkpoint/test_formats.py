@@ -215,3 +215,15 @@ def test_a_sliding_speculators_drafter_without_its_causal_flag_is_an_error(tmp_p
         config_from_json(pub, t.num_layers)
     got = config_from_json({**pub, "sliding_window_non_causal": False}, t.num_layers)
     assert got.sliding_causal_in_block and got.sliding_window_rule == "anchor"  # speculators' training rule
+
+
+def test_a_speculators_directory_saved_by_speculators_itself_is_read_as_speculators():
+    """speculators' own save_pretrained also writes architectures ["DFlashDraftModel"] (z-lab's name):
+    its `speculators_model_type` decides, so its ids are read one lower, not as clause-1 ids."""
+    from blockdraft.checkpoint.formats import config_from_json, detect
+
+    t = tiny_target("qwen3")
+    cfg = DrafterConfig.for_target(t, num_layers=1, block_size=4)
+    pub = {**published_speculators(cfg, t.layer_ids), "architectures": ["DFlashDraftModel"]}
+    assert detect(pub) == "speculators"
+    assert config_from_json(pub, t.num_layers).target_layer_ids == t.layer_ids

@@ -18,6 +18,9 @@ from .base import (ANCHOR_RULE_SERVED, OWN_KEY, Difference, Export, Format, engi
 
 
 def matches(d: dict) -> bool:
+    # speculators' own save_pretrained names the same architecture: its type field decides
+    if d.get("speculators_model_type"):
+        return False
     return "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or [])
 
 
