@@ -30,6 +30,7 @@ CONFIGS = {  # name -> flags on top of the base
     "base": ["--gamma-schedule", "fixed"],  # the paper's gamma (7 at block 16); the default was fixed then
     "gamma1": ["--gamma-schedule", "fixed", "--gamma", "1"],
     "gamma-acceptance": ["--gamma-schedule", "acceptance"],
+    "gamma-dpace": ["--gamma-schedule", "dpace"],  # speculators' D-PACE slot weights (its default)
     "block8": ["--gamma-schedule", "fixed", "--block-size", "8"],
     "layers2": ["--gamma-schedule", "fixed", "--draft-layers", "2", "--sliding-layers", "1"],
     "anchors64": ["--gamma-schedule", "fixed", "--max-anchors", "64"],
