@@ -287,7 +287,7 @@ def score_speculators(a, result: dict) -> None:
     from blockdraft.checkpoint.native import convert
     from blockdraft.target import TargetModel
 
-    tr_rows, _, ev_rows, ev_feats = caches(Path(a.cache))
+    tr_rows, _, ev_rows, ev_feats = caches(Path(a.out))
     target = TargetModel.head_only("smollm2", device="cpu")
     for pt in result["points"]:
         native = Path(pt["checkpoint"] + "-native")
@@ -323,9 +323,10 @@ def run(a) -> None:
                 if side != "speculators":
                     cmd += ["--schedule", "dpace" if side == "blockdraft-dpace" else "acceptance"]
                 t0 = time.perf_counter()
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise SystemExit(f"{side} L{layers} seed {seed} failed:\n{proc.stderr[-3000:]}")
+                if not (rdir / "result.json").exists():  # a finished training is scored, not run again
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                    if proc.returncode != 0:
+                        raise SystemExit(f"{side} L{layers} seed {seed} failed:\n{proc.stderr[-3000:]}")
                 result = json.loads((rdir / "result.json").read_text())
                 if side == "speculators":
                     score_speculators(a, result)
@@ -354,11 +355,32 @@ def summarise(done: dict) -> None:
         for side, runs in sides.items():
             sides[side] = {"runs": runs, "mean_eval_tau": sum(x["eval_tau"] for x in runs) / len(runs),
                            "mean_tau_gain_per_cpu_hour": sum(x["tau_gain_per_cpu_hour"] for x in runs) / len(runs)}
+        # the calibrations miss by up to a third, so the runs end at different seconds: every curve is
+        # also read at one time, the earliest end among this size's runs (linear between its points)
+        runs_here = [r for r in done["runs"] if f"L{r['layers']}" == size]
+        common = min(r["points"][-1]["train_s"] for r in runs_here)
+        for side, entry in sides.items():
+            at = [tau_at([p for p in r["points"]], common) for r in runs_here if r["side"] == side]
+            entry.update(common_train_s=common, mean_eval_tau_at_common_s=sum(at) / len(at),
+                         tau_gain_per_cpu_hour_at_common_s=(sum(at) / len(at) - 1.0) / (common * threads / 3600))
         ref = sides.get("speculators")
         if ref:
             for side in sides.values():
                 side["ratio_to_speculators"] = side["mean_tau_gain_per_cpu_hour"] / ref["mean_tau_gain_per_cpu_hour"]
+                side["ratio_to_speculators_at_common_s"] = (side["tau_gain_per_cpu_hour_at_common_s"]
+                                                            / ref["tau_gain_per_cpu_hour_at_common_s"])
     done["summary"] = table
+
+
+def tau_at(points: list[dict], t: float) -> float:
+    """A run's held-out tau at t training seconds, linear between its scored points (t at or after
+    its first point)."""
+    for a, b in zip(points, points[1:]):
+        if a["train_s"] <= t <= b["train_s"]:
+            return a["eval_tau"] + (b["eval_tau"] - a["eval_tau"]) * (t - a["train_s"]) / (b["train_s"] - a["train_s"])
+    if t >= points[-1]["train_s"]:
+        return points[-1]["eval_tau"]
+    raise ValueError(f"{t} s is before the run's first scored point ({points[0]['train_s']} s)")
 
 
 def plot(done: dict, path: str) -> None:
