@@ -138,7 +138,8 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     mpath = out / MANIFEST
     if mpath.exists():
         old = json.loads(mpath.read_text())
-        changed = [k for k in ident if old.get(k, "transformers" if k == "engine" else None) != ident[k]]
+        before = {"engine": "transformers", "target_dtype": ident.get("target_dtype")}  # older caches lack these
+        changed = [k for k in ident if old.get(k, before.get(k)) != ident[k]]
         if changed:
             raise ValueError(f"{out} holds a cache made with other settings ({', '.join(changed)} differ"
                              f"{': other data' if 'rows_hash' in changed else ''}); use a new directory")

@@ -86,8 +86,20 @@ class DataOptions:
     skip_bad_lines: bool = opt(False, "skip and count malformed records instead of stopping at the first")
     features_cache: str | None = opt(None, "train from `blockdraft extract` shards instead of running the target",
                                      metavar="DIR")
+    eval_features_cache: str | None = opt(None, "with --features-cache: evaluate on this cache's rows (`blockdraft "
+                                                "extract` of the held-out conversations) and train on every row of "
+                                                "--features-cache (default: a split of its rows)", metavar="DIR")
     memo_features: str = opt("auto", "keep the target's outputs in memory after the first epoch (auto: if "
                                      "under 4 GiB)", choices=("auto", "on", "off"))
+
+
+def check_cache_options(opts: DataOptions) -> None:
+    """A held-out set given the way the run cannot use is refused, not silently replaced by a split."""
+    if opts.eval_features_cache and not opts.features_cache:
+        raise ValueError("--eval-features-cache needs --features-cache (without a cache, use --eval-data)")
+    if opts.features_cache and opts.eval_data:
+        raise ValueError("--eval-data is read by the target, which a --features-cache run does not run: extract the "
+                         "held-out conversations with `blockdraft extract` and pass --eval-features-cache DIR")
 
 
 def resolve_data(data: str) -> str:

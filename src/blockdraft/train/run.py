@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.pipeline import DataOptions, bound_rows, conversation_rows
+from ..data.pipeline import DataOptions, bound_rows, check_cache_options, conversation_rows
 from ..options import opt
 from ..target import TargetOptions, pick_device, spread_kwargs
 from .build import DrafterOptions, build_drafter, continue_drafter
@@ -77,8 +77,16 @@ def cached_rows(opts: DataOptions, target, seed: int):
     """Rows and stored outputs from a `blockdraft extract` directory, split by row for held-out eval."""
     from ..data.features import CacheView, DiskFeatures, cache_identity
 
-    cache = DiskFeatures(opts.features_cache, expect=cache_identity(target, opts.max_length, torch.float32))
+    expect = cache_identity(target, opts.max_length, torch.float32)
+    cache = DiskFeatures(opts.features_cache, expect=expect)
     R = cache.rows["input_ids"].shape[0]
+    if opts.eval_features_cache:  # its own held-out cache: every row of the training cache trains
+        held = DiskFeatures(opts.eval_features_cache, expect=expect)
+        if held.manifest.get("rows_hash") == cache.manifest.get("rows_hash"):
+            raise ValueError(f"--eval-features-cache {opts.eval_features_cache} holds the same rows as --features-cache:"
+                             " extract the held-out conversations into their own cache")
+        return (dict(cache.rows), dict(held.rows), CacheView(cache, torch.arange(R)),
+                CacheView(held, torch.arange(held.rows["input_ids"].shape[0])))
     order = torch.randperm(R, generator=torch.Generator().manual_seed(seed))
     n_eval = min(R - 1, max(1, int(round(opts.eval_fraction * R)))) if opts.eval_fraction > 0 else 0
     ev, tr = order[:n_eval], order[n_eval:]
@@ -134,6 +142,7 @@ def run_training(cfg: RunConfig) -> dict:
 
     tc = cfg.train
     tc.validate()
+    check_cache_options(cfg.data)
     check_resume(tc.out, tc.resume)
     torch.manual_seed(tc.seed)  # the same initial drafter on every rank
     rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min)
@@ -161,6 +170,9 @@ def run_training(cfg: RunConfig) -> dict:
     return summary
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # "auto" is absent
+
+
 @dataclass
 class ExtractOptions:
     """`blockdraft extract`: where the shards go and how they are cut."""
@@ -170,6 +182,10 @@ class ExtractOptions:
                              "is held in host RAM while it is made)")
     dtype: str = opt("auto", "stored precision of features and final states (auto: the target's, bf16 on CUDA)",
                      choices=("auto", "float32", "bfloat16", "float16"))
+    target_dtype: str = opt("auto", "precision the target runs in (auto: bf16 on CUDA, fp32 on a CPU, where bf16 "
+                                    "products are slower without AMX; on a CPU with AMX bfloat16 runs about 2x "
+                                    "faster); recorded in the cache's manifest",
+                            choices=("auto", "float32", "bfloat16", "float16"))
     batch_tokens: int = opt(16384, "tokens per target forward (whole rows)")
     seed: int = opt(0, "seed of the (unused) held-out split; kept so a cache's identity is stable")
     engine: str = opt("transformers", "what runs the target: transformers (here, or one rank per shard set "
@@ -192,18 +208,19 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
         raise ValueError("extract splits its shards over the ranks, each running the whole target; --target-fsdp "
                          "is for training (drop it here, or extract with --target-device-map)")
     if opts.engine == "vllm":
+        if opts.target_dtype != "auto":
+            raise ValueError("extract --engine vllm runs the target at --dtype; drop --target-dtype")
         return _extract_with_vllm(target_opts, data, opts)
     rank, world_size, device = init_from_env(pick_device(target_opts.device))
     target = TargetModel.from_pretrained(target_opts.target, layer_ids=target_opts.layer_ids,
                                          num_features=target_opts.num_features, device=device,
-                                         **spread_kwargs(target_opts))
+                                         dtype=DTYPES.get(opts.target_dtype), **spread_kwargs(target_opts))
     rows, _ = conversation_rows(target.tokenizer, dataclasses.replace(data, eval_fraction=0.0), opts.seed)
-    dtype = {"auto": target.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[opts.dtype]
+    dtype = DTYPES.get(opts.dtype, target.dtype)
     shard_rows = opts.shard_rows or auto_shard_rows(target, rows["input_ids"].shape[1], dtype)
     t0 = time.perf_counter()
     out = extract(target, rows, opts.out, shard_rows=shard_rows, dtype=dtype, rank=rank, world=world_size,
-                  batch_tokens=opts.batch_tokens)
+                  batch_tokens=opts.batch_tokens, identity={"target_dtype": str(target.dtype).replace("torch.", "")})
     if rank == 0:
         throughput(rows["input_ids"].numel() // world_size, time.perf_counter() - t0, "this rank's share")
     barrier()  # the cache is complete once every rank has written its shards
