@@ -1,16 +1,17 @@
 """How speculative generation rolls back a hybrid target's recurrent layers after a rejected draft,
-measured: blockdraft's snapshot-and-restore (copy the conv/recurrent states before each verify; on
-a rejection put them back and run the kept tokens again: generate/recurrent.py) against re-running
-the whole committed text into the emptied cache (no copies), and the crop-only loop transformers'
-cache offers (wrong: the recurrent state keeps the rejected tokens).
+measured: the states transformers (>= 5.25) records during the verify, put back by its crop
+(blockdraft's way: generate/recurrent.py), against the snapshot-and-re-run blockdraft needed before
+(copy the conv/recurrent states once per verify; on a rejection restore them and run the kept
+tokens through the target again).
 
     python benchmarks/recurrent_rollback.py                      # tiny and moderate configs, 1 thread
     python benchmarks/recurrent_rollback.py --arch qwen3_5 --prompt 512 --new 48
 
-Each strategy generates the same tokens from the same random drafter (almost every draft is
-rejected: the worst case for a rollback) and is compared with the target's own greedy decoding.
-Prints one JSON line per (config, strategy): seconds per generated token and whether the output
-is the target's.
+Each strategy generates from the same random drafter (almost every draft is rejected: the worst
+case for a rollback) and is compared with the target's own greedy decoding. Prints one JSON line
+per (config, strategy): seconds per generated token and whether the output is the target's. The
+old way is emulated on today's cache: its copy is taken after the verify instead of before (the
+same cost), and its restore is the crop's.
 """
 
 from __future__ import annotations
@@ -33,43 +34,25 @@ SHAPES = {"tiny": dict(vocab=160, layers=6, hidden=32, heads=4, kv_heads=2),
           "moderate": dict(vocab=4096, layers=12, hidden=512, heads=8, kv_heads=4, intermediate=1024)}
 
 
-class Reprefill(rec.RecurrentRollback):
-    """No copies: on a rejection the cache is emptied and the whole committed text run again."""
+class SnapshotRerun(rec.RecurrentRollback):
+    """blockdraft before transformers 5.25: a copy of the states per verify, the kept tokens re-run."""
 
-    def __init__(self, target, cache, prompt):
-        super().__init__(target, cache)
-        self.history = prompt[0].tolist()
-
-    def save(self) -> None:
-        pass
+    reruns = 0
 
     def keep(self, length, block, kept):
-        start = length - kept
-        self.history = self.history[:start] + block[:kept].tolist()
-        if not self.layers or kept >= block.shape[0]:
+        _copy = [[s.clone() for s in layer.recurrent_states.values() if s is not None] for layer in self.layers]
+        b = int(block.shape[0])
+        if kept >= b:
             self.target.crop_cache(self.cache, length)
             return
-        self.target.crop_cache(self.cache, 0)
-        for layer in self.layers:
-            for i in layer.recurrent_states:
-                layer.recurrent_states[i] = None if layer.recurrent_states[i] is None else \
-                    torch.zeros_like(layer.recurrent_states[i])
-            layer.has_previous_state = dict.fromkeys(layer.has_previous_state, False)
-        ids = torch.tensor([self.history], device=block.device)
-        t = self.target
-        t.model(input_ids=ids, position_ids=torch.arange(length, device=block.device)[None], use_cache=True,
-                logits_to_keep=1, **{t._cache_kwarg(): self.cache})
-        self.reruns += 1
-
-
-class CropOnly(rec.RecurrentRollback):
-    """What transformers' crop alone does (the loop before this change)."""
-
-    def save(self) -> None:
-        pass
-
-    def keep(self, length, block, kept):
-        self.target.crop_cache(self.cache, length)
+        start = length - kept
+        self.target.crop_cache(self.cache, start)  # back to before the block: the state the copy held
+        if kept > 0:
+            t = self.target
+            t.model(input_ids=block[None, :kept], position_ids=torch.arange(start, length, device=block.device)[None],
+                    use_cache=True, logits_to_keep=1, **{t._cache_kwarg(): self.cache})
+            t.crop_cache(self.cache, length)
+            self.reruns += 1
 
 
 def run(arch: str, shape: str, prompt_len: int, new: int, repeats: int) -> list[dict]:
@@ -85,9 +68,8 @@ def run(arch: str, shape: str, prompt_len: int, new: int, repeats: int) -> list[
     rows = []
     real = rec.RecurrentRollback
     import blockdraft.generate.speculative as spec
-    for name, cls in (("snapshot-restore", real), ("re-prefill", Reprefill), ("crop-only (wrong)", CropOnly)):
-        spec.RecurrentRollback = (lambda target, cache, cls=cls: cls(target, cache, ids)) if cls is Reprefill \
-            else cls
+    for name, cls in (("recorded states", real), ("snapshot + re-run", SnapshotRerun)):
+        spec.RecurrentRollback = cls
         best = None
         try:
             for _ in range(repeats):

@@ -143,12 +143,12 @@ class Family:
     mlp_activation: str | None
     rope: str
     logit_scale: float = 1.0  # what the forward multiplies lm_head's output by (Granite 1 / logits_scaling)
-    recurrent: bool = False  # Mamba / linear-attention layers: state a cache crop cannot undo
+    recurrent: bool = False  # Mamba / linear-attention layers: a crop undoes their state only from recorded states
 
     def summary(self) -> str:
         cap = f", logit soft-capping {self.logit_softcapping}" if self.logit_softcapping else ""
         scale = f", logits x{self.logit_scale:.3g}" if self.logit_scale != 1.0 else ""
-        rec = ", recurrent layers (their state is snapshotted around each verify)" if self.recurrent else ""
+        rec = ", recurrent layers (rolled back from the states the cache records per verify)" if self.recurrent else ""
         return (f"final norm scales by {self.norm_rule}, embedding x{self.embedding_scale:.3g}{cap}{scale}, "
                 f"MLP {self.mlp_activation}, rope {self.rope}{rec}")
 

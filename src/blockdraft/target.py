@@ -85,6 +85,17 @@ def text_config(model: nn.Module):
     return getattr(cfg, "text_config", None) or cfg
 
 
+def is_recording(cache) -> bool:
+    """Whether a transformers cache keeps its past for a later crop (activate_past_recording)."""
+    return any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ()))
+
+
+def _takes_kwargs(fn) -> bool:
+    import inspect
+
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
 class TargetModel(nn.Module):
     """A frozen transformers causal LM plus the feature hooks of clause 1."""
 
@@ -353,20 +364,29 @@ class TargetModel(nn.Module):
             self._cache_name = "cache" if "cache" in params else "past_key_values"
         return self._cache_name
 
-    def new_cache(self):
-        """An empty KV cache that can be cropped back after a rejected draft."""
+    def new_cache(self, rollback: int = 0):
+        """An empty KV cache. With `rollback` > 0 it records its past so that `crop_cache` can take back
+        up to `rollback` tokens of the last forward (rejected drafts): sliding-window layers keep their
+        keys until the crop, and on transformers >= 5.25 recurrent layers keep their state after each
+        of the last `rollback` tokens, which the crop restores (generate/recurrent.py). 0: a cache that
+        only grows, for plain decoding (recording there would keep a state copy per token)."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        if hasattr(cache, "activate_past_recording"):
-            cache.activate_past_recording()  # sliding-window layers must be able to roll back
+        if rollback > 0 and hasattr(cache, "activate_past_recording"):
+            if _takes_kwargs(cache.activate_past_recording):
+                # 5.25 added the count, defaulting to None, which its recurrent forwards cannot compare
+                cache.activate_past_recording(recurrent_states_to_keep=int(rollback))
+            else:
+                cache.activate_past_recording()
         return cache
 
     @staticmethod
     def crop_cache(cache, length: int) -> None:
-        """Keep the first `length` positions of the cache."""
-        extra = cache.get_seq_length() - length
-        if extra > 0:
+        """Keep the first `length` positions of the cache. A cache that records its past is cropped after
+        every forward, by nothing if need be, so that it drops what it recorded."""
+        extra = int(cache.get_seq_length()) - length
+        if extra > 0 or (extra == 0 and is_recording(cache)):
             cache.crop(-extra)
 
     def _base(self) -> nn.Module:

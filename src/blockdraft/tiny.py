@@ -17,7 +17,7 @@ MORE_ARCHS = ("qwen3_moe", "mixtral", "phi3", "olmo2", "granite", "cohere", "glm
               "gpt_oss", "minimax_m2", "llama4")
 # hybrids whose recurrent layers are Mamba-2 mixers
 MAMBA_ARCHS = ("nemotron_h", "falcon_h1")
-# families with recurrent layers: a cropped cache does not undo their state (generate/recurrent.py)
+# families with recurrent layers: a crop undoes their state only from what the cache recorded (generate/recurrent.py)
 RECURRENT_ARCHS = HYBRID_ARCHS + MAMBA_ARCHS
 ALL_ARCHS = ARCHS + HYBRID_ARCHS + MORE_ARCHS + MAMBA_ARCHS
 # norms that scale by 1 + w (around 0 when random); the gated norm inside a DeltaNet scales by w

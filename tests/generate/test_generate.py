@@ -12,7 +12,7 @@ import blockdraft.generate.proposers as spec
 from blockdraft.config import DrafterConfig
 from blockdraft.generate import accept_greedy, speculative_generate
 from blockdraft.model import BlockLayout, DFlashDrafter
-from blockdraft.generate.recurrent import recurrent_layers
+from blockdraft.generate.recurrent import RecurrentRollback, recurrent_layers
 from blockdraft.tiny import RECURRENT_ARCHS
 from conftest import V, tiny_target
 
@@ -99,10 +99,10 @@ def _states(cache):
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
 @pytest.mark.parametrize("corrupt_every", [None, 3])
 def test_recurrent_targets_roll_back_rejected_drafts(monkeypatch, arch, corrupt_every):
-    """Mamba / Gated DeltaNet layers fold every verified token into their state, and transformers'
-    crop does not take rejected ones out again. With a random drafter (nearly every draft rejected)
-    and an oracle wrong at every third slot (blocks partly accepted), the output is the target's own
-    greedy decoding, and the final cache holds the states of a fresh cache fed the committed text."""
+    """Mamba / Gated DeltaNet layers fold every verified token into their state, rejected ones too.
+    With a random drafter (nearly every draft rejected) and an oracle wrong at every third slot
+    (blocks partly accepted), the output is the target's own greedy decoding, and the final cache
+    holds the states of a fresh cache fed the committed text."""
     t, d = pair(arch, 4)
     ids = torch.randint(0, V - 1, (1, 9), generator=torch.Generator().manual_seed(3))
     ref = reference(t, ids, 32)
@@ -111,7 +111,7 @@ def test_recurrent_targets_roll_back_rejected_drafts(monkeypatch, arch, corrupt_
         monkeypatch.setattr(spec.DrafterProposer, "_draft", oracle(ref, corrupt_every))
     caches = []
     real_new = t.new_cache
-    monkeypatch.setattr(t, "new_cache", lambda: caches.append(real_new()) or caches[-1])
+    monkeypatch.setattr(t, "new_cache", lambda **kw: caches.append(real_new(**kw)) or caches[-1])
     res = speculative_generate(t, d, ids, max_new_tokens=32)
     assert res.tokens == ref
     assert any(v > a for v, a in zip(res.verified, res.accepted))  # some drafts were rejected
@@ -127,6 +127,17 @@ def test_recurrent_targets_roll_back_rejected_drafts(monkeypatch, arch, corrupt_
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         torch.testing.assert_close(g[..., -w.shape[-1]:] if g.dim() == 3 else g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_recurrent_rollback_refuses_a_cache_that_records_nothing(arch):
+    """A cache made without `rollback` (or by a transformers before 5.25) cannot take rejected drafts
+    out of its recurrent layers: refused with the fix, not rolled back wrong."""
+    t, _ = pair(arch, 4)
+    with pytest.raises(RuntimeError, match="recurrent layers.*new_cache\\(rollback=block_size\\)"):
+        RecurrentRollback(t, t.new_cache())
+    RecurrentRollback(t, t.new_cache(rollback=4))
+    RecurrentRollback(pair("llama", 4)[0], pair("llama", 4)[0].new_cache())  # nothing recurrent: nothing to refuse
 
 
 @pytest.mark.parametrize("cut", [2, 3])

@@ -6,8 +6,8 @@ Prefill the target on the prompt (features + first token). Then repeat: the draf
 proposes [last, MASK x (B-1)] from its cached context; the target verifies the B tokens in
 one forward; the longest prefix the target agrees with is accepted (greedy: equal to its
 argmax; sampling: speculative sampling), the target's own next token is appended, the
-target cache is cropped to the committed length (a target with recurrent layers: their state is
-restored and the kept tokens re-run, `recurrent.py`) and the committed tokens' features become
+target cache is cropped to the committed length (recurrent layers too, from the states the cache
+recorded: `recurrent.py`) and the committed tokens' features become
 new drafter context.
 
 `draft_threshold` > 0 verifies only the drafts up to the first slot whose top draft probability
@@ -98,22 +98,20 @@ def step(target, proposer, st: State, cache, s: Sampling, room: int, res: Genera
          rollback: RecurrentRollback | None = None) -> list[int]:
     """One draft-verify-accept step: verify the proposal after the last token in one target forward,
     keep the agreed prefix and the target's own next token, crop the cache (with `rollback`, recurrent
-    layers are restored and re-run over the kept tokens: recurrent.py), queue the features."""
+    layers too, checked: recurrent.py), queue the features."""
     t0 = time.perf_counter()
     prop = proposer.propose(st, room) if room > 0 else Proposal(torch.empty(0, dtype=torch.long, device=st.device),
                                                                 None)
     block = torch.cat([torch.tensor([st.committed[-1]], device=st.device), prop.tokens.to(st.device)])
     t1 = time.perf_counter()
     L, b = st.length, block.shape[0]
-    if rollback is not None:
-        rollback.save()
     out = target(block[None], position_ids=torch.arange(L - 1, L - 1 + b, device=st.device)[None], cache=cache)
     t2 = time.perf_counter()
     if s.temperature > 0:
         m, nxt = accept_sampled(block[1:], prop.q, sampling_probs(out.logits[0], s.temperature, s.top_p), s.generator)
     else:
         m, nxt = accept_greedy(block[1:], out.logits[0])
-    if rollback is not None and rollback.active:
+    if rollback is not None:
         rollback.keep(L + m, block, m + 1)
     else:
         target.crop_cache(cache, L + m)  # keep positions 0 .. L-1+m: the anchor and the accepted drafts
@@ -141,10 +139,11 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
     s, stops, dev = Sampling(temperature, top_p, gen), set(stop_token_ids or []), target.device
     drafter.eval()
     t_start = time.perf_counter()
-    res, ids, cache = GenerationResult(tokens=[]), input_ids.to(dev), target.new_cache()
+    res, ids, cache = GenerationResult(tokens=[]), input_ids.to(dev), target.new_cache(rollback=B)
     rollback = RecurrentRollback(target, cache)
     P = ids.shape[1]
     out = target(ids, position_ids=torch.arange(P, device=dev)[None], cache=cache)  # prefill
+    target.crop_cache(cache, P)  # drops what the prefill recorded: each verify starts with none
     st = State([int(_pick(out.logits[0, -1:], temperature, top_p, gen)[0])], P + 1, out.features[0],
                torch.arange(P, device=dev), dev)
     res.time_prefill = time.perf_counter() - t_start
