@@ -80,6 +80,9 @@ def leave() -> None:
     """Leave the process group this module joined (at the end of a command)."""
     global _COMM_DEVICE
     if _COMM_DEVICE is not None and grouped():
+        # every rank gets here only after a clean finish; leaving together keeps a rank's teardown
+        # from cutting a peer's connection while it still sends (gloo aborts the peer then)
+        dist.barrier()
         dist.destroy_process_group()
     _COMM_DEVICE = None
 
