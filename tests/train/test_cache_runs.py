@@ -111,3 +111,15 @@ def test_held_out_settings_a_cached_run_cannot_use_are_refused(tmp_path, tiny_di
         assert main(["train", "--target", tiny_dir, *extra, "--out", str(tmp_path / "r"), *ARGS, *TRAIN]) == 2
         err = capsys.readouterr().err
         assert fragment in err and "Traceback" not in err, err
+
+
+def test_extract_batches_few_rows_per_forward_on_a_cpu(tmp_path, tiny_dir, split, monkeypatch):
+    """--batch-tokens 0 (the default): 2,048 tokens per target forward on a CPU, where 16-row forwards
+    ran 1.6-1.9x slower (benchmarks/extract_batch.py); a given value is passed as it is."""
+    import blockdraft.data.features as features
+
+    seen = []
+    monkeypatch.setattr(features, "extract", lambda *a, batch_tokens, **k: seen.append(batch_tokens) or k)
+    for i, extra in enumerate(([], ["--batch-tokens", "512"])):
+        main(["extract", "--target", tiny_dir, "--data", str(split[0]), "--out", str(tmp_path / str(i)), *ARGS, *extra])
+    assert seen == [2048, 512]
