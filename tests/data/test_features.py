@@ -88,6 +88,27 @@ def test_extract_resumes_and_refuses_a_foreign_cache(tmp_path):
         DiskFeatures(out)
 
 
+def test_a_peer_rank_sees_a_cache_being_made_while_the_manifest_is_written(tmp_path, monkeypatch):
+    """Rank 0 writes the manifest through a temporary file; a peer that looks at the directory in
+    that instant (CI caught one) must see a cache being made, not a foreign directory."""
+    from blockdraft.data import features
+
+    out = tmp_path / "cache"
+    seen, real = [], os.replace
+
+    def replace(src, dst):  # the instant between the temporary's write and its rename
+        seen.append((os.path.basename(src), features.holds_other_files(out)))
+        real(src, dst)
+
+    monkeypatch.setattr(features.os, "replace", replace)
+    extract(tiny_target("llama"), tiny_rows(4), out, shard_rows=2, progress=False)
+    assert len(seen) == 3 and not any(other for _, other in seen), seen
+    # and the check still fires on a directory that holds something else
+    (out / "notes.txt").write_text("x")
+    os.remove(out / features.MANIFEST)
+    assert features.holds_other_files(out)
+
+
 def test_a_bf16_cache_reads_back_the_rounded_outputs_in_bf16(tmp_path):
     """A bf16 cache is read as bf16 (the drafter and head cast where they use it): an upcast on the
     reading thread would double the bytes every step copies to the device."""

@@ -181,7 +181,9 @@ def damaged(path: str, e: Exception) -> ValueError:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
+    # the temporary keeps the manifest's name as its prefix: a peer rank that looks at the
+    # directory meanwhile must see a cache being made, not "other files" (holds_other_files)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 
