@@ -102,6 +102,14 @@ def smollm2_variants():
     return out
 
 
+def full_vocab(d: DFlashDrafter) -> DFlashDrafter:
+    """The same drafter scoring the target's whole head: what dflash computes from its directory
+    (it reads no draft vocabulary; its load report lists `draft_vocab` as unexpected)."""
+    f = DFlashDrafter(dataclasses.replace(d.config, draft_vocab_size=None))
+    f.load_state_dict({k: v for k, v in d.state_dict().items() if k != "draft_vocab"})
+    return f.eval()
+
+
 def eval_prompts(n_per_set: int = 2) -> list[list[dict]]:
     """Chat prompts from the evaluation sets (never trained on)."""
     from blockdraft.bench.prompts import load_prompt_set
