@@ -116,21 +116,22 @@ def test_vllm_serves_an_anchor_window_drafter_with_the_query_window(setup):
     """A drafter with the anchor window (speculators' rule, and older blockdraft drafters'): vLLM
     computes the query window from the same weights. Its acceptance follows our query-rule twin of
     the weights, not the drafter as trained: why `convert` refuses such a drafter for vLLM without
-    --allow-mismatch. The shipped weights under a window of 8 (< B): at the trained W=32 the two
-    rules' acceptance on these prompts tied (vLLM 105/21/8, ours 103/20/6 and 102/21/6)."""
+    --allow-mismatch. The shipped weights under a window of 3: at the trained W=32 (stage 4) and at
+    W=8 (stage 5) the two rules' acceptance on these prompts tied (stage 5, W=8: vLLM 106/22/7,
+    ours 105/21/6 under the query rule and 106/22/4 under the anchor rule)."""
     tmp, target, prompts, base = setup
     variants = smollm2_variants()
-    path, found = export_drafter(variants["anchor-causal-w8"], tmp / "anchor-zlab", "zlab", allow_mismatch=True)
+    path, found = export_drafter(variants["anchor-causal-w3"], tmp / "anchor-zlab", "zlab", allow_mismatch=True)
     assert any(f.refuse and f.consumer == "vLLM" for f in found)
     out = serve(tmp, "anchor-zlab", prompts, path)
     assert out["tokens"] == base["tokens"]
-    _, tau_anchor, per_pos_anchor = ours(target, variants["anchor-causal-w8"], prompts)
-    _, tau_query, per_pos_query = ours(target, variants["query-causal-w8"], prompts)
-    record("anchor-causal-w8/zlab", out, tau_anchor, per_pos_anchor, sum(a == b for a, b in zip(out["tokens"],
+    _, tau_anchor, per_pos_anchor = ours(target, variants["anchor-causal-w3"], prompts)
+    _, tau_query, per_pos_query = ours(target, variants["query-causal-w3"], prompts)
+    record("anchor-causal-w3/zlab", out, tau_anchor, per_pos_anchor, sum(a == b for a, b in zip(out["tokens"],
                                                                                              base["tokens"])),
            -1, len(prompts))
-    RESULTS["anchor-causal-w8/zlab"]["blockdraft_query_twin_tau"] = round(tau_query, 4)
-    RESULTS["anchor-causal-w8/zlab"]["blockdraft_query_twin_accepted_per_pos"] = per_pos_query
+    RESULTS["anchor-causal-w3/zlab"]["blockdraft_query_twin_tau"] = round(tau_query, 4)
+    RESULTS["anchor-causal-w3/zlab"]["blockdraft_query_twin_accepted_per_pos"] = per_pos_query
     if os.environ.get("REFERENCE_RESULTS"):
         Path(os.environ["REFERENCE_RESULTS"]).write_text(json.dumps(RESULTS, indent=1) + "\n")
     def gap(ours_per_pos):  # L1 distance between vLLM's accepted-per-position counts and ours
