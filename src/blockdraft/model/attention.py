@@ -102,7 +102,7 @@ def anchor_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Te
                            scale: float, backend: str = "auto") -> torch.Tensor:
     """q [N, B, Hq, D], k/v_ctx [T, Hkv, D], k/v_blk [N, B, Hkv, D] -> out [N, B, Hq, D]."""
     if backend == "auto":
-        backend = "flex" if q.is_cuda else "chunked"
+        backend = "flex" if q.is_cuda and not _flex_refused(q.device, q.shape[-1]) else "chunked"
     fns = {"chunked": _chunked, "dense": _dense, "flex": _flex}
     if backend not in fns:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -144,6 +144,54 @@ def _chunked(q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale):
 
 
 _compiled_flex = None
+_refusal_said = False
+
+
+def flex_refusal(device: torch.device, head_dim: int) -> str | None:
+    """Why flex attention cannot train on this device, or None. torch's compiled flex backward
+    fails on compute capability 12.x (RTX PRO 6000, RTX 50xx) when head_dim > 128 (pytorch
+    #198224): drafters with head_dim 256, or MLA-shaped ones, take the SDPA path there."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 12 and head_dim > 128:
+        return (f"flex attention's compiled backward fails on compute capability {major}.{minor} with head_dim "
+                f"{head_dim} > 128 (pytorch #198224): training uses the SDPA (chunked) path instead")
+    return None
+
+
+def _flex_refused(device: torch.device, head_dim: int) -> bool:
+    global _refusal_said
+    why = flex_refusal(device, head_dim)
+    if why and not _refusal_said:
+        print(f"blockdraft: {why}", flush=True)
+        _refusal_said = True
+    return why is not None
+
+
+def _limit_key() -> str:
+    """dynamo's switch that makes a recompile-limit hit an error (renamed across torch releases)."""
+    import torch._dynamo.config as cfg
+
+    return next(k for k in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit") if hasattr(cfg, k))
+
+
+def compiled_flex(compile_backend: str = "inductor"):
+    """flex attention compiled once for every layout and layer kind (the masks pass the kind as
+    tensors, masks.layer_kind_tensors). Past dynamo's recompile limit a compiled function runs
+    eagerly, which for flex attention means materialising every score (~200 GB at Q 32k x K 49k):
+    here that raises instead."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = torch.compile(flex_attention, dynamic=True, backend=compile_backend)
+    key = _limit_key()
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(**{key: True}):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def same_dtype(*xs: torch.Tensor) -> list[torch.Tensor]:
@@ -168,7 +216,7 @@ def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, vis, scale):
     fn = flex_attention
     if q.is_cuda:
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+            _compiled_flex = compiled_flex()
         fn = _compiled_flex
     bm = layout.block_mask(vis, q.device)  # built once per layout and layer kind, no Q x K tensor
     k = torch.cat([k_ctx, k_blk.reshape(N * B, -1, D)]).transpose(0, 1)[None]  # [1, Hkv, T+N*B, D]

@@ -77,9 +77,35 @@ def visible(q_block: torch.Tensor, q_slot: torch.Tensor, k_idx: torch.Tensor, *,
     """Vectorised clause-5 predicate over broadcastable index tensors.
 
     q_block/q_slot: the query's block j and slot i; k_idx: key index in [0, T + N*B).
-    Used by the chunked path (on index grids) and as the flex-attention mask_mod.
+    Used by the chunked path (on index grids); flex attention calls `visible_kind` directly.
     """
-    T, W = document_ids.shape[0], sliding_window
+    kind = layer_kind_tensors(sliding_window, causal_in_block, window_rule, anchors.device)
+    return visible_kind(q_block, q_slot, k_idx, anchors=anchors, document_ids=document_ids,
+                        block_size=block_size, kind=kind)
+
+
+# a window no position difference reaches: full attention as a window, so one predicate serves both
+NO_WINDOW = 2**40
+
+
+def layer_kind_tensors(sliding_window: int | None, causal_in_block: bool, window_rule: str,
+                       device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer kind (window, in-block causality, window rule) as three 0-d tensors. A compiled
+    flex attention guards the Python constants a mask closes over, one graph per kind (past
+    dynamo's recompile limit it silently ran unfused); tensors are graph inputs, so one graph
+    serves every kind."""
+    check_window_rule(window_rule)
+    window = NO_WINDOW if sliding_window is None else int(sliding_window)
+    return (torch.tensor(window, dtype=torch.int64, device=device),
+            torch.tensor(bool(causal_in_block), device=device),
+            torch.tensor(window_rule == WINDOW_QUERY, device=device))
+
+
+def visible_kind(q_block: torch.Tensor, q_slot: torch.Tensor, k_idx: torch.Tensor, *, anchors: torch.Tensor,
+                 document_ids: torch.Tensor, block_size: int, kind: tuple) -> torch.Tensor:
+    """`visible` with the layer kind as tensors (`layer_kind_tensors`), without a Python branch on it."""
+    window, causal, query_rule = kind
+    T = document_ids.shape[0]
     a = anchors[q_block]
     is_ctx = k_idx < T
     p = torch.clamp(k_idx, max=T - 1)
@@ -87,14 +113,12 @@ def visible(q_block: torch.Tensor, q_slot: torch.Tensor, k_idx: torch.Tensor, *,
     rel = k_idx - T
     k_slot = torch.remainder(rel, block_size)
     blk_ok = (~is_ctx) & (torch.div(rel, block_size, rounding_mode="floor") == q_block)
-    if causal_in_block:
-        blk_ok = blk_ok & (k_slot <= q_slot)
-    if W is not None and window_rule == WINDOW_QUERY:  # counted from the query's own position a + i
-        ctx_ok = ctx_ok & (a + q_slot - p < W)
-        blk_ok = blk_ok & (q_slot - k_slot < W) & (k_slot - q_slot < W)
-    elif W is not None:
-        ctx_ok = ctx_ok & (p >= a - W)
-    return ctx_ok | blk_ok
+    blk_ok = blk_ok & (~causal | (k_slot <= q_slot))
+    # rule "query": counted from the query's own position a + i, inside the block too;
+    # rule "anchor": context p >= a - W, the block not windowed (NO_WINDOW passes both)
+    ctx_win = torch.where(query_rule, a + q_slot - p < window, p >= a - window)
+    blk_win = ~query_rule | ((q_slot - k_slot < window) & (k_slot - q_slot < window))
+    return (ctx_ok & ctx_win) | (blk_ok & blk_win)
 
 
 @dataclass
@@ -172,14 +196,15 @@ def chunked_mask_as_dense(document_ids: torch.Tensor, anchors: torch.Tensor, blo
 
 def flex_mask_mod(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int,
                   sliding_window: int | None, causal_in_block: bool, window_rule: str = DEFAULT_WINDOW_RULE):
-    """mask_mod(b, h, q_idx, kv_idx) for torch's flex attention over the flat layout."""
+    """mask_mod(b, h, q_idx, kv_idx) for torch's flex attention over the flat layout. The layer
+    kind is closed over as tensors (`layer_kind_tensors`): every kind shares one compiled graph."""
+    kind = layer_kind_tensors(sliding_window, causal_in_block, window_rule, anchors.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_block = torch.div(q_idx, block_size, rounding_mode="floor")
         q_slot = torch.remainder(q_idx, block_size)
-        return visible(q_block, q_slot, kv_idx, anchors=anchors, document_ids=document_ids,
-                       block_size=block_size, sliding_window=sliding_window, causal_in_block=causal_in_block,
-                       window_rule=window_rule)
+        return visible_kind(q_block, q_slot, kv_idx, anchors=anchors, document_ids=document_ids,
+                            block_size=block_size, kind=kind)
 
     return mask_mod
 
