@@ -218,3 +218,38 @@ def test_drafter_matches_a_naive_reference(backend):
             torch.testing.assert_close(out[j], naive_block(d, feats, embeds, layout, j), rtol=1e-4, atol=1e-4)
 
 
+
+
+def test_a_drafter_to_be_loaded_draws_no_random_weights(monkeypatch):
+    """Loading (checkpoints, the gathered FSDP drafter) builds with initialize=False: no random fill
+    of weights that are all overwritten next (two fills of a 1B-parameter drafter on the host)."""
+    cfg = make_drafter().config
+    fills = []
+    for name in ("normal_", "uniform_"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, **k: fills.append(t.shape) or _real(t, *a, **k))
+    DFlashDrafter(cfg, initialize=False)
+    assert fills == []
+    assert torch.nn.init.normal_.__name__ == "normal_"  # nn.init is itself again afterwards
+    DFlashDrafter(cfg)
+    assert fills  # the ordinary build still fills them
+
+
+def test_build_drafter_makes_the_drafter_on_its_device(monkeypatch):
+    """build_drafter creates the parameters on the training device (no fp32 host copy first)."""
+    from blockdraft.model import drafter as drafter_mod
+    from blockdraft.train.build import DrafterOptions, build_drafter
+
+    seen = []
+    real_init = drafter_mod.DFlashDrafter.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        seen.append({p.device.type for p in self.parameters()})
+
+    monkeypatch.setattr(drafter_mod.DFlashDrafter, "__init__", spy)
+    target = tiny_target()
+    rows = {"input_ids": torch.randint(0, 90, (2, 16)), "loss_mask": torch.ones(2, 16, dtype=torch.long)}
+    opts = DrafterOptions(init_from_target=False, final_norm_init="0.1", draft_vocab=0)
+    d = build_drafter(opts, target, rows, "meta")
+    assert seen == [{"meta"}] and {p.device.type for p in d.parameters()} == {"meta"}

@@ -81,7 +81,7 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dty
     weights are an error. `num_target_layers` fills in what published speculators configs leave out."""
     path = resolve_drafter(dir_or_name)
     _, cfg = read_config(path, num_target_layers)
-    drafter = DFlashDrafter(cfg)
+    drafter = DFlashDrafter(cfg, initialize=False)  # every weight is loaded below (missing ones refused)
     sd = formats.native_weights(read_weights(path), cfg)
     expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb")}
     missing, unknown = sorted(expected - set(sd)), sorted(set(sd) - expected)

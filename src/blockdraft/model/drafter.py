@@ -9,6 +9,8 @@ caller embeds the block tokens with the target and applies the target's head.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -21,15 +23,33 @@ from .masks import cached_block_mask
 from .linear import use_few_rows_linears
 
 
+@contextlib.contextmanager
+def _no_random_init():
+    """nn.init's fills as no-ops while modules are built whose every weight is loaded next: a
+    1B-parameter drafter's two random fills cost ~20 s of host time (and a GPU's nothing)."""
+    names = ("kaiming_uniform_", "uniform_", "normal_", "zeros_", "ones_", "constant_", "trunc_normal_")
+    kept = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda t, *args, **kwargs: t)
+    try:
+        yield
+    finally:
+        for n, fn in kept.items():
+            setattr(nn.init, n, fn)
+
+
 class DFlashDrafter(nn.Module):
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterConfig, initialize: bool = True):
+        """`initialize=False`: leave the weights unset (memory as allocated), for a caller that loads
+        every one of them next; buffers (rotary tables, draft vocabulary, feature scale) are set."""
         super().__init__()
         self.config = config
         q3 = config.qwen3_config()
-        self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, q3) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        with contextlib.nullcontext() if initialize else _no_random_init():
+            self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
+            self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, q3) for i in range(config.num_hidden_layers))
+            self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(q3)
         # Per-dimension input scale for the optimiser's sake (the target's features have a few huge
         # outlier dimensions). Not a weight of the published architecture: `folded_state_dict` folds
@@ -39,7 +59,8 @@ class DFlashDrafter(nn.Module):
         n_draft = config.draft_vocab_size or 0
         self.draft_vocab = nn.Buffer(torch.arange(n_draft, dtype=torch.long), persistent=n_draft > 0)
         self.gradient_checkpointing = False
-        self.reset_parameters()
+        if initialize:
+            self.reset_parameters()
         use_few_rows_linears(self)  # drafting projects 1-3 new context rows per step
 
     def reset_parameters(self, std: float = 0.02) -> None:

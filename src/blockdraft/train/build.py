@@ -172,7 +172,8 @@ def build_drafter(opts: DrafterOptions, target, train_rows: dict, device: str):
     from ..model import DFlashDrafter, DrafterConfig
 
     vocab = opts.vocab_size(device, target.vocab_size)
-    drafter = DFlashDrafter(DrafterConfig.for_target(target, draft_vocab_size=vocab, **opts.layout()))
+    with torch.device(device):  # made where it trains: no fp32 host copy of a 1B-parameter drafter
+        drafter = DFlashDrafter(DrafterConfig.for_target(target, draft_vocab_size=vocab, **opts.layout()))
     if getattr(target, "head_only_loaded", False):
         if opts.context_init == "top-feature":
             raise ValueError("--context-init top-feature needs the target's layers; a feature cache loads none")
@@ -206,7 +207,7 @@ def continue_drafter(name_or_dir: str, target, device: str, window_rule: str | N
           f"block {cfg.block_size}, draft vocabulary {cfg.draft_vocab_size or 'full'}); layout options are ignored")
     if window_rule and cfg.has_sliding and window_rule != cfg.sliding_window_rule:
         print(f"init: sliding window rule {cfg.sliding_window_rule} -> {window_rule} (weights kept)")
-        moved = DFlashDrafter(dataclasses.replace(cfg, sliding_window_rule=window_rule))
+        moved = DFlashDrafter(dataclasses.replace(cfg, sliding_window_rule=window_rule), initialize=False)
         moved.load_state_dict(drafter.state_dict())
         drafter = moved.to(device)
     return drafter
