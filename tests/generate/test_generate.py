@@ -397,3 +397,29 @@ def test_baseline_greedy_equals_transformers_generate():
     t, _ = pair("gemma3", 4)
     ids = torch.randint(0, V - 1, (1, 9))
     assert target_greedy(t, ids, max_new_tokens=30).tokens == reference(t, ids, 30)
+
+
+def test_timings_read_the_clock_after_the_device_finished(monkeypatch):
+    """A CUDA run queues work ahead of the host: every clock read in generation and in the target-only
+    baseline syncs the target's device first (stubbed here: the sync is recorded, the device is the CPU)."""
+    import blockdraft.generate.baseline as baseline
+    import blockdraft.generate.speculative as speculative
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    speculative.now(torch.device("cuda", 0))
+    assert synced == [torch.device("cuda", 0)]
+    speculative.now(torch.device("cpu"))
+    assert len(synced) == 1
+    reads = []
+    real = speculative.now
+    spy = lambda device: reads.append(device) or real(device)  # noqa: E731
+    monkeypatch.setattr(speculative, "now", spy)
+    monkeypatch.setattr(baseline, "now", spy)
+    t, d = pair()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    res = speculative_generate(t, d, ids, max_new_tokens=6)
+    assert len(reads) == 3 + 3 * len(res.accepted) and set(reads) == {t.device}  # start, prefill, end; 3 a step
+    reads.clear()
+    base = baseline.target_greedy(t, ids, max_new_tokens=6)
+    assert len(reads) == 3 + 2 * (len(base.tokens) - 1)

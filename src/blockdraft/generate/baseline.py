@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import time
 
 import torch
 
-from .speculative import GenerationResult
+from .speculative import GenerationResult, now
 
 
 @torch.no_grad()
@@ -17,25 +16,25 @@ def target_greedy(target, input_ids: torch.Tensor, *, max_new_tokens: int, stop_
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     stops = set(stop_token_ids or [])
     dev = target.device
-    t0 = time.perf_counter()
+    t0 = now(dev)
     ids = input_ids.to(dev)
     P = ids.shape[1]
     cache = target.new_cache()
     logits = target.model(ids, position_ids=torch.arange(P, device=dev)[None], use_cache=True,
                           logits_to_keep=1, **{target._cache_kwarg(): cache}).logits
     res = GenerationResult(tokens=[int(logits[0, -1].argmax())])
-    res.time_prefill = time.perf_counter() - t0
+    res.time_prefill = now(dev) - t0
     if on_tokens:
         on_tokens(res.tokens[:])
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stops:
-        t1 = time.perf_counter()
+        t1 = now(dev)
         pos = P + len(res.tokens) - 1
         tok = torch.tensor([[res.tokens[-1]]], device=dev)
         out = target(tok, position_ids=torch.tensor([[pos]], device=dev), cache=cache)
         res.tokens.append(int(out.logits[0, -1].argmax()))
         res.accepted.append(1)
-        res.time_verify += time.perf_counter() - t1
+        res.time_verify += now(dev) - t1
         if on_tokens:
             on_tokens(res.tokens[-1:])
-    res.time_total = time.perf_counter() - t0
+    res.time_total = now(dev) - t0
     return res

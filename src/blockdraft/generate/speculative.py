@@ -94,19 +94,27 @@ class State:
             self.pending_positions = torch.cat([self.pending_positions, positions])
 
 
+def now(device: torch.device) -> float:
+    """The wall clock after the device's queued work: CUDA runs ahead of the host, so an unsynced
+    clock gives a verify's time to whatever reads the device next."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def step(target, proposer, st: State, cache, s: Sampling, room: int, res: GenerationResult,
          rollback: RecurrentRollback | None = None) -> list[int]:
     """One draft-verify-accept step: verify the proposal after the last token in one target forward,
     keep the agreed prefix and the target's own next token, crop the cache (with `rollback`, recurrent
     layers too, checked: recurrent.py), queue the features."""
-    t0 = time.perf_counter()
+    t0 = now(st.device)
     prop = proposer.propose(st, room) if room > 0 else Proposal(torch.empty(0, dtype=torch.long, device=st.device),
                                                                 None)
     block = torch.cat([torch.tensor([st.committed[-1]], device=st.device), prop.tokens.to(st.device)])
-    t1 = time.perf_counter()
+    t1 = now(st.device)
     L, b = st.length, block.shape[0]
     out = target(block[None], position_ids=torch.arange(L - 1, L - 1 + b, device=st.device)[None], cache=cache)
-    t2 = time.perf_counter()
+    t2 = now(st.device)
     if s.temperature > 0:
         m, nxt = accept_sampled(block[1:], prop.q, sampling_probs(out.logits[0], s.temperature, s.top_p), s.generator)
     else:
@@ -138,7 +146,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
     s, stops, dev = Sampling(temperature, top_p, gen), set(stop_token_ids or []), target.device
     drafter.eval()
-    t_start = time.perf_counter()
+    t_start = now(dev)
     res, ids, cache = GenerationResult(tokens=[]), input_ids.to(dev), target.new_cache(rollback=B)
     rollback = RecurrentRollback(target, cache)
     P = ids.shape[1]
@@ -146,7 +154,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
     target.crop_cache(cache, P)  # drops what the prefill recorded: each verify starts with none
     st = State([int(_pick(out.logits[0, -1:], temperature, top_p, gen)[0])], P + 1, out.features[0],
                torch.arange(P, device=dev), dev)
-    res.time_prefill = time.perf_counter() - t_start
+    res.time_prefill = now(dev) - t_start
     proposer = DrafterProposer(target, drafter, s, draft_threshold)
     if lookup > 0:  # copies from the text first, the drafter when there is nothing to copy
         proposer = FirstOf(LookupProposer(ids[0].tolist() + st.committed, lookup, lookup_ngram, target.vocab_size, s),
@@ -165,7 +173,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
         if on_tokens:
             on_tokens(new)
     res.tokens = st.committed[:max_new_tokens]
-    res.time_total = time.perf_counter() - t_start
+    res.time_total = now(dev) - t_start
     return res
 
 
