@@ -73,11 +73,12 @@ def run_config(flags: str):
 
 
 def readme_plans() -> list[dict]:
-    from blockdraft.plan import plan_run
+    from blockdraft.plan import GIB, plan_run
 
     out = []
-    for name, shape, gpus, card, flags in README_COMMANDS:
-        p = plan_run(config_of(shape), run_config(flags), world=gpus, cuda=True)
+    for name, shape, gpus, card, flags in README_COMMANDS:  # the multi-GPU commands run under torchrun
+        p = plan_run(config_of(shape), run_config(flags), world=gpus, cuda=True, torchrun=gpus > 1,
+                     device_bytes=card * GIB)
         out.append({"command": name, "gpus": gpus, "card_gb": card, "flags": flags, "parts_gib": p.gib(),
                     "fits_80": p.fits(80), "fits_24": p.fits(24), "fits_card": p.fits(card), "table": p.table()})
     return out
@@ -195,6 +196,8 @@ def main(argv=None):
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--target", default=None, help="a local transformers directory (its config.json)")
     ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--torchrun", action="store_true", help="launched by torchrun (a process group even for one GPU)")
+    ap.add_argument("--device-gib", type=float, default=139.0, help="each GPU's memory (default: an H200's)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("flags", nargs="*", help="blockdraft train flags (after --)")
     a = ap.parse_args(argv)
@@ -209,10 +212,11 @@ def main(argv=None):
     elif a.target:
         from transformers import AutoConfig
 
-        from blockdraft.plan import plan_run
+        from blockdraft.plan import GIB, plan_run
 
-        p = plan_run(AutoConfig.from_pretrained(a.target), run_config(" ".join(a.flags)), world=a.gpus, cuda=True)
-        res = {"parts_gib": p.gib(), "fits_80": p.fits(80), "fits_24": p.fits(24)}
+        p = plan_run(AutoConfig.from_pretrained(a.target), run_config(" ".join(a.flags)), world=a.gpus, cuda=True,
+                     torchrun=a.torchrun, device_bytes=int(a.device_gib * GIB))
+        res = {"parts_gib": p.gib(), "fits_80": p.fits(80), "fits_24": p.fits(24), "fits": p.fits(a.device_gib)}
         print(p.table())
     else:
         res = readme_plans()

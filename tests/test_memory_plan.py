@@ -62,3 +62,134 @@ def test_the_readme_gpu_commands_fit_their_cards():
     for r in memory_plan.readme_plans():
         assert r["flags"] in flat, f"README lacks: {r['flags']}"
         assert r["fits_card"], (r["command"], r["table"])
+
+
+# ---------------------------------------------------------------- the terms issue 32 added (GPU review)
+
+from blockdraft.plan import GIB, plan_run, step_plan  # noqa: E402
+from blockdraft.train.loss import loss_chunk_slots  # noqa: E402
+
+MIB = 2**20
+SMALL = Shapes(rows=1, L=64, blocks=4, B=4, slots=12, label_positions=12, Hd=32, qd=32, kvd=16, heads=2, I=64,
+               layers=2, features=96, V=1000, Vd=1000, target_hidden=32, target_intermediate=64)
+WEIGHTS = dict(target_params=10_000, head_only_params=1_000, drafter_params=2_000, unit_params=500)
+
+
+def small_plan(**kw):
+    return step_plan(SMALL, **WEIGHTS, **kw)
+
+
+def test_cuda_context_and_cublas_workspace_are_parts_of_cuda_plans_only():
+    p = small_plan(cuda=True)
+    assert p.parts["cuda context"] == 600 * MIB  # ~0.6 GiB per rank, outside the allocator
+    assert p.parts["cublas workspace"] == 32 * MIB  # one stream's workspace, inside it (in the peak)
+    assert p.total == p.reserved + 600 * MIB  # one rank, no process group: no NCCL
+    cpu = small_plan(cuda=False)
+    assert not {"cuda context", "cublas workspace", "nccl buffers"} & set(cpu.parts)
+    assert cpu.peak == cpu.reserved == cpu.total
+
+
+def test_nccl_buffers_with_a_process_group():
+    assert small_plan(cuda=True, world=2).parts["nccl buffers"] == 4 * MIB * 32  # 4 MiB x 32 channels
+    assert small_plan(cuda=True, world=1, grouped=True).parts["nccl buffers"] == 128 * MIB  # torchrun, one GPU
+    assert "nccl buffers" not in small_plan(cuda=True, world=1).parts
+    assert "nccl buffers" not in small_plan(cuda=False, world=2).parts  # gloo
+    p = small_plan(cuda=True, world=2)
+    assert p.total == p.reserved + 600 * MIB + 128 * MIB
+
+
+def test_reserved_is_the_allocated_peak_with_its_reserve():
+    p = small_plan(cuda=True)
+    # the largest block: a loss chunk's fp32 rows, 12 slots x 1000 x 4 (the labels are 12 x 1000 x 2,
+    # fc's features 64 x 96 x 2)
+    assert p.reserved == int(p.peak * 1.1) + 12 * 1000 * 4 > p.peak
+    p = small_plan(cuda=True, full_target_logits=True)
+    assert p.reserved == int(p.peak * 1.1) + 64 * 1000 * 2  # the target's full logits
+    assert p.gib()["reserved"] == p.reserved / GIB and p.gib()["total"] == p.total / GIB
+    assert "reserved per rank" in p.table() and p.fits(p.total / GIB) and not p.fits(p.total / GIB - 0.01)
+
+
+def test_fsdp_with_gradient_accumulation_keeps_unsharded_gradients():
+    for cuda in (True, False):  # FSDP2 does it on gloo too
+        p = small_plan(cuda=cuda, world=4, fsdp=True, grad_accum=2)
+        assert p.parts["unsharded gradients"] == 2_000 * 4  # the whole fp32 gradient, not 1/world
+        assert p.parts["gradients"] == 2_000 * 4 // 4
+    assert "unsharded gradients" not in small_plan(world=4, fsdp=True, grad_accum=1).parts
+    assert "unsharded gradients" not in small_plan(world=4, fsdp=False, grad_accum=2).parts
+
+
+def test_fsdp_on_one_rank_holds_the_whole_drafter():
+    p = small_plan(cuda=True, world=1, fsdp=True)
+    assert (p.parts["drafter"], p.parts["gradients"], p.parts["optimizer"]) == (8_000, 8_000, 16_000)
+    assert p.parts["bf16 gathers"] == 2 * 500 * 2
+    p3 = small_plan(cuda=True, world=3, fsdp=True)
+    assert p3.parts["drafter"] == 2_667 and 3 * p3.parts["drafter"] >= 8_000  # padded shards, never less
+
+
+def test_autocast_cache_without_fsdp_bf16_gathers_with_it():
+    assert small_plan(cuda=True).parts["autocast cache"] == 2_000 * 2  # a bf16 copy of every weight
+    assert small_plan(cuda=True, gradient_checkpointing=True).parts["autocast cache"] == 2_000 * 2 + 500 * 2
+    f = small_plan(cuda=True, world=2, fsdp=True)  # MixedPrecisionPolicy: nothing left for autocast
+    assert "autocast cache" not in f.parts and "fsdp gathers" not in f.parts
+    assert f.parts["bf16 gathers"] == 2 * 500 * 2  # a unit and the next, bf16
+    cpu = small_plan(cuda=False, world=2, fsdp=True)
+    assert "autocast cache" not in cpu.parts and "bf16 gathers" not in cpu.parts
+    assert cpu.parts["fsdp gathers"] == 2 * 500 * 4
+    assert "autocast cache" not in small_plan(cuda=False).parts
+
+
+def test_the_targets_full_logits_without_a_boolean_logits_to_keep():
+    assert small_plan(cuda=True, full_target_logits=True).parts["target full logits"] == 1 * 64 * 1000 * 2
+    assert small_plan(cuda=False, full_target_logits=True).parts["target full logits"] == 1 * 64 * 1000 * 4
+    assert "target full logits" not in small_plan(cuda=True).parts
+    assert "target full logits" not in small_plan(cuda=True, full_target_logits=True, features_cache=True).parts
+    base, full = small_plan(cuda=True), small_plan(cuda=True, full_target_logits=True)
+    assert full.peak >= base.peak
+
+
+def test_the_loss_term_follows_the_chunk():
+    s = Shapes(**{**SMALL.__dict__, "slots": 10_000, "V": 50_000, "Vd": 50_000})
+    per_slot = 50_000 * (2 + 12) * 2  # draft and label rows, bf16 plus their fp32 work
+    outside = ("cuda context", "nccl buffers")
+    before_loss = ("target", "drafter", "gradients", "optimizer", "autocast cache", "cublas workspace",
+                   "activations", "labels", "block inputs", "masks")
+    for device in (4 * GIB, 40 * GIB, 80 * GIB, 10**15):
+        p = step_plan(s, **WEIGHTS, cuda=True, device_bytes=device)
+        free = device - sum(p.parts.get(k, 0) for k in outside) - sum(p.parts[k] for k in before_loss)
+        assert p.loss_chunk == loss_chunk_slots("cuda", 50_000, free)
+        assert p.parts["loss chunk"] == p.loss_chunk * per_slot
+    assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=4 * GIB).loss_chunk == 256
+    # (80 GiB - 0.6 GiB context - 32 MiB workspace - a few kB) / 32 / (12 x 50k) = 4439 slots -> 4352
+    assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB).loss_chunk == 4352
+    assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=10**15).loss_chunk == 8192
+    cpu = step_plan(s, **WEIGHTS, cuda=False, device_bytes=10**15)
+    assert cpu.loss_chunk == 256 and cpu.parts["loss chunk"] == 256 * 50_000 * (4 + 12) * 2
+    assert small_plan(cuda=False).parts["loss chunk"] == 12 * 1000 * 16 * 2  # a chunk holds at most S slots
+
+
+TINY = dict(arch="qwen3", vocab=1024, layers=12, hidden=64, heads=4, kv_heads=2, intermediate=128, head_dim=16)
+TINY_FLAGS = "--draft-layers 1 --max-length 256 --batch-tokens 512 --draft-vocab full --sliding-window 0"
+
+
+def test_plan_run_under_torchrun_and_without():
+    cfg = memory_plan.config_of(TINY)
+    run = memory_plan.run_config(TINY_FLAGS + " --fsdp --grad-accum 2")
+    alone = plan_run(cfg, run, world=1, cuda=True)  # the signature benchmarks/gpu_check.py calls
+    assert "autocast cache" in alone.parts
+    assert not {"nccl buffers", "bf16 gathers", "unsharded gradients"} & set(alone.parts)
+    one = plan_run(cfg, run, world=1, cuda=True, torchrun=True)  # a group of one: FSDP and NCCL for real
+    assert one.parts["nccl buffers"] == 128 * MIB and "bf16 gathers" in one.parts and "autocast cache" not in one.parts
+    assert one.parts["unsharded gradients"] == one.parts["drafter"]  # world 1: the shard is the whole
+
+
+def test_plan_run_asks_the_installed_transformers_for_a_boolean_logits_to_keep(monkeypatch):
+    import blockdraft.target
+
+    cfg, run = memory_plan.config_of(TINY), memory_plan.run_config(TINY_FLAGS)
+    full = 2 * 256 * 1024 * 2  # 2 rows x 256 tokens x the vocabulary, bf16
+    assert plan_run(cfg, run, bool_logits_to_keep=False).parts["target full logits"] == full
+    assert "target full logits" not in plan_run(cfg, run, bool_logits_to_keep=True).parts
+    monkeypatch.setattr(blockdraft.target, "mask_keep_supported", lambda: False)
+    assert plan_run(cfg, run).parts["target full logits"] == full
+    monkeypatch.setattr(blockdraft.target, "mask_keep_supported", lambda: True)
+    assert "target full logits" not in plan_run(cfg, run).parts

@@ -21,7 +21,27 @@ import math
 from dataclasses import dataclass, field
 
 GIB = 2**30
-LOSS_CHUNK = 256  # train.loss.dflash_loss_chunked's slots per chunk
+MIB = 2**20
+LOSS_CHUNK = 256  # train.loss.dflash_loss_chunked's slots per chunk on a CPU (train.loss.loss_chunk_slots)
+H200_BYTES = 139 * GIB  # the device memory a CUDA plan assumes unless told (an H200)
+
+# What a CUDA rank holds besides its tensors (assumptions, not measurements):
+# - the CUDA context (runtime, driver state, the kernels of torch, cuBLAS and NCCL as they load, lazily):
+#   ~0.6 GiB per rank, outside torch's caching allocator;
+# - cuBLAS's workspace: 32 MiB per stream that runs GEMMs (torch's default CUBLAS_WORKSPACE_CONFIG
+#   on Hopper, :4096:8), allocated through the caching allocator; a step's GEMMs all run on the
+#   current stream (FSDP's and NCCL's side streams run none): one stream;
+# - NCCL's buffers once there is a process group (world > 1, or torchrun with one GPU, which still
+#   makes a group): NCCL_BUFFSIZE's default 4 MiB for each of up to 32 channels (NCCL's ceiling on
+#   NVLink nodes), one communicator, outside torch's allocator.
+CUDA_CONTEXT = 600 * MIB
+CUBLAS_WORKSPACE = 32 * MIB
+CUBLAS_STREAMS = 1
+NCCL_BUFFER = 4 * MIB
+NCCL_CHANNELS = 32
+# The caching allocator reserves more than it hands out: rounding and fragmentation (~10% of the
+# allocated peak) and, at worst, one fresh segment for the largest tensor a step frees and makes again.
+RESERVE_FACTOR = 1.1
 
 
 @dataclass
@@ -95,10 +115,20 @@ def fixed_activation_bytes(s: Shapes, c: int) -> int:
     return s.T * s.features * c + s.T * s.Hd * (8 + c) + s.Q * s.Hd * 8 + s.slots * s.Hd * 4
 
 
-def loss_chunk_bytes(s: Shapes, c_target: int) -> int:
+def loss_chunk_bytes(s: Shapes, c_target: int, chunk: int = LOSS_CHUNK) -> int:
     """One loss chunk's transient: its draft logits (and their fp32 softmax and gradient) and its
-    label rows (gathered, upcast, softmaxed)."""
-    return LOSS_CHUNK * (s.Vd * (c_target + 12) + s.V * (c_target + 12))
+    label rows (gathered, upcast, softmaxed); a chunk holds at most the step's S slots."""
+    return min(chunk, max(1, s.slots)) * (s.Vd * (c_target + 12) + s.V * (c_target + 12))
+
+
+def plan_loss_chunk(s: Shapes, cuda: bool, free_bytes: int) -> int:
+    """The chunk train.loss.loss_chunk_slots picks: 256 on a CPU; on CUDA from the memory free when
+    the loss runs (`free_bytes`)."""
+    if not cuda:
+        return LOSS_CHUNK
+    from .train.loss import loss_chunk_slots
+
+    return loss_chunk_slots("cuda", s.Vd, free_bytes)
 
 
 def target_forward_bytes(s: Shapes, c_target: int) -> int:
@@ -110,46 +140,62 @@ def target_forward_bytes(s: Shapes, c_target: int) -> int:
 
 @dataclass
 class Plan:
+    """Bytes per rank, part by part (parts overlap in time: the peak is not their sum). `peak`: what
+    torch's allocator hands out at the step's worst moment (torch.cuda.max_memory_allocated);
+    `reserved`: what the caching allocator holds from the device for it (an estimate); `total`:
+    reserved plus what lives outside the allocator (the CUDA context, NCCL's buffers), what the
+    card must have. On a CPU all three are the peak. `loss_chunk`: slots per loss chunk."""
+
     parts: dict = field(default_factory=dict)  # name -> bytes
     peak: int = 0
     notes: list = field(default_factory=list)
+    reserved: int = 0
+    total: int = 0
+    loss_chunk: int = LOSS_CHUNK
+    drafter_params: int = 0  # the drafter's parameters (its checkpoint's size follows from them)
 
     def gib(self) -> dict:
-        return {k: v / GIB for k, v in self.parts.items()} | {"peak": self.peak / GIB}
+        return {k: v / GIB for k, v in self.parts.items()} | {"peak": self.peak / GIB, "reserved": self.reserved / GIB,
+                                                              "total": self.total / GIB}
 
     def fits(self, gib: float) -> bool:
-        return self.peak <= gib * GIB * 0.95  # 5% for the allocator's fragmentation and the CUDA context
+        """Whether a device of `gib` GiB holds it all (the allocator's reserve, the CUDA context and
+        NCCL's buffers are counted in the total, so no margin is added)."""
+        return (self.total or self.peak) <= gib * GIB
 
     def table(self) -> str:
         rows = [f"  {k:<22} {v / GIB:8.2f} GiB" for k, v in self.parts.items()]
-        return "\n".join(rows + [f"  {'peak per rank':<22} {self.peak / GIB:8.2f} GiB"] + [f"  note: {n}" for n in self.notes])
+        ends = [("peak per rank", self.peak), ("reserved per rank", self.reserved), ("device per rank", self.total)]
+        rows += [f"  {k:<22} {v / GIB:8.2f} GiB" for k, v in ends]
+        return "\n".join(rows + [f"  note: {n}" for n in self.notes])
+
+
+# Parts held through the whole step, and parts outside torch's allocator (not in the peak).
+STATIC_PARTS = ("target", "target gathers", "drafter", "gradients", "optimizer", "fsdp gathers", "bf16 gathers",
+                "unsharded gradients", "cublas workspace")
+OUTSIDE_PARTS = ("cuda context", "nccl buffers")
 
 
 def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_params: int, unit_params: int,
               cuda: bool = True, world: int = 1, fsdp: bool = False, gradient_checkpointing: bool = False,
               features_cache: bool = False, backend: str | None = None,
               chunks: list[tuple[int, int]] | None = None, target_shards: int = 1, target_layer_params: int = 0,
-              target_largest_layer: int = 0) -> Plan:
+              target_largest_layer: int = 0, grad_accum: int = 1, grouped: bool | None = None,
+              device_bytes: int = H200_BYTES, full_target_logits: bool = False) -> Plan:
     """Peak bytes per rank of one training step and what makes them up. `target_shards` > 1: the
     target's decoder layers (`target_layer_params` in all) sharded over that many ranks, one
-    layer (and the next, prefetched) gathered whole at a time (--target-fsdp)."""
+    layer (and the next, prefetched) gathered whole at a time (--target-fsdp). `fsdp`: the drafter
+    runs under FSDP2 (also on one rank, under torchrun); `grad_accum` micro-batches per optimizer
+    step; `grouped`: a process group exists (default: world > 1); `device_bytes`: the device's
+    memory (sizes the CUDA loss chunk); `full_target_logits`: the target makes its [Bz, T, V]
+    logits before the label rows are picked (a transformers without a boolean logits_to_keep)."""
     c = 2 if cuda else 4  # bf16 autocast on CUDA; fp32 on the CPU
     c_t = c  # the frozen target's dtype (target_files.default_dtype)
     backend = backend or ("flex" if cuda else "chunked")
-    shard = world if fsdp else 1
     p = Plan()
-    if features_cache:
-        p.parts["target"] = head_only_params * c_t
-    elif target_shards > 1:
-        p.parts["target"] = (target_params - target_layer_params + target_layer_params // target_shards) * c_t
-        p.parts["target gathers"] = 2 * target_largest_layer * c_t
-    else:
-        p.parts["target"] = target_params * c_t
-    p.parts["drafter"] = drafter_params * 4 // shard
-    p.parts["gradients"] = drafter_params * 4 // shard
-    p.parts["optimizer"] = 2 * drafter_params * 4 // shard
-    if fsdp:  # a unit gathered in fp32, the next one prefetched
-        p.parts["fsdp gathers"] = 2 * unit_params * 4
+    _target_parts(p, target_params, head_only_params, features_cache, target_shards, target_layer_params,
+                  target_largest_layer, c_t)
+    _drafter_parts(p, drafter_params, unit_params, cuda, world, fsdp, grad_accum, gradient_checkpointing)
     per_layer = layer_activation_bytes(s, c, backend, chunks)
     if gradient_checkpointing:  # each layer keeps its input; one layer's activations live at a time
         acts = s.layers * s.Q * s.Hd * 4 + per_layer
@@ -166,19 +212,83 @@ def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_p
         p.parts["masks"] = s.sliding_kinds * qt * kt * 4 * 4
     else:
         p.parts["masks"] = 0  # the chunked path's masks are counted in its layers
-    p.parts["loss chunk"] = loss_chunk_bytes(s, c_t)
-    backward = per_layer // 2 + p.parts["loss chunk"]  # one layer's gradients in flight
-    p.parts["backward transient"] = backward
-    static = (sum(p.parts[k] for k in ("target", "drafter", "gradients", "optimizer")) + p.parts.get("fsdp gathers", 0)
-              + p.parts.get("target gathers", 0))
-    drafter_side = (p.parts["activations"] + labels + p.parts["block inputs"] + p.parts["masks"]
-                    + max(p.parts["loss chunk"], backward))
     if not features_cache:
         p.parts["target forward"] = target_forward_bytes(s, c_t)
-        p.peak = static + max(drafter_side, p.parts["target forward"] + labels)
-    else:
-        p.peak = static + drafter_side
+        if full_target_logits:  # [Bz, T, V] from the head, then the label rows picked from it
+            p.parts["target full logits"] = s.T * s.V * c_t
+    if cuda:
+        _cuda_parts(p, world > 1 if grouped is None else grouped)
+    _finish(p, s, cuda, c_t, per_layer, device_bytes)
     return p
+
+
+def _target_parts(p: Plan, target_params, head_only_params, features_cache, target_shards, target_layer_params,
+                  target_largest_layer, c_t) -> None:
+    """The frozen target's weights: whole, head and embedding only (a feature cache), or its layers
+    sharded (--target-fsdp) with two of them gathered."""
+    if features_cache:
+        p.parts["target"] = head_only_params * c_t
+    elif target_shards > 1:
+        p.parts["target"] = (target_params - target_layer_params + target_layer_params // target_shards) * c_t
+        p.parts["target gathers"] = 2 * target_largest_layer * c_t
+    else:
+        p.parts["target"] = target_params * c_t
+
+
+def _drafter_parts(p: Plan, drafter_params, unit_params, cuda, world, fsdp, grad_accum, checkpointing) -> None:
+    """The drafter's fp32 weights, gradients and AdamW state (sharded under FSDP), and the copies its
+    forward makes: FSDP's gathered units, or autocast's bf16 casts."""
+    whole = drafter_params * 4
+    # FSDP2 pads each parameter's shards: a rank holds at least 1/world of it, all of it on one rank
+    per_rank = -(-whole // max(1, world)) if fsdp else whole
+    p.parts["drafter"] = per_rank
+    p.parts["gradients"] = per_rank
+    p.parts["optimizer"] = 2 * per_rank
+    if fsdp and grad_accum > 1:  # without gradient sync FSDP2 keeps every unit's unsharded fp32 gradient
+        p.parts["unsharded gradients"] = whole
+    if fsdp and cuda:  # MixedPrecisionPolicy gathers bf16 params (autocast has nothing left to cast): a unit and the next
+        p.parts["bf16 gathers"] = 2 * unit_params * 2
+    elif fsdp:  # a unit gathered in fp32, the next one prefetched
+        p.parts["fsdp gathers"] = 2 * unit_params * 4
+    elif cuda:  # autocast's bf16 copy of every weight, held from the forward into the backward (the linears
+        # save it), and one layer's again in a gradient-checkpoint recompute
+        p.parts["autocast cache"] = drafter_params * 2 + (unit_params * 2 if checkpointing else 0)
+
+
+def _cuda_parts(p: Plan, grouped: bool) -> None:
+    """What a CUDA rank holds besides its tensors (the constants' comments give the assumptions)."""
+    p.parts["cuda context"] = CUDA_CONTEXT
+    p.parts["cublas workspace"] = CUBLAS_WORKSPACE * CUBLAS_STREAMS
+    if grouped:
+        p.parts["nccl buffers"] = NCCL_BUFFER * NCCL_CHANNELS
+
+
+def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_bytes: int) -> None:
+    """The loss chunk (sized from the memory left when the loss runs), the backward's transient, and
+    the peak, reserved and total figures."""
+    def total(names) -> int:
+        return sum(p.parts.get(k, 0) for k in names)
+
+    static, outside = total(STATIC_PARTS), total(OUTSIDE_PARTS)
+    held = static + total(("activations", "labels", "block inputs", "masks", "autocast cache"))
+    p.loss_chunk = plan_loss_chunk(s, cuda, device_bytes - outside - held)
+    p.parts["loss chunk"] = loss_chunk_bytes(s, c_t, p.loss_chunk)
+    backward = per_layer // 2 + p.parts["loss chunk"]  # one layer's gradients in flight
+    p.parts["backward transient"] = backward
+    drafter_side = held - static + max(p.parts["loss chunk"], backward)
+    target_side = total(("target forward", "labels", "target full logits")) if "target forward" in p.parts else 0
+    p.peak = static + max(drafter_side, target_side)
+    p.reserved = int(p.peak * RESERVE_FACTOR) + largest_block_bytes(p, s, c_t) if cuda else p.peak
+    p.total = p.reserved + outside
+
+
+def largest_block_bytes(p: Plan, s: Shapes, c_t: int) -> int:
+    """The largest tensor a step frees and makes again, for which the caching allocator may have to
+    reserve a fresh segment: the target's full logits, the [P, V] labels, fc's input features or a
+    loss chunk's rows (fp32 draft rows, or the gathered label rows)."""
+    chunk = min(p.loss_chunk, max(1, s.slots))
+    return max(p.parts.get("target full logits", 0), s.label_positions * s.V * c_t, s.T * s.features * c_t,
+               chunk * max(s.Vd * 4, s.V * c_t))
 
 
 # ------------------------------------------------------------------------ from configs and flags
@@ -219,11 +329,18 @@ def drafter_sizes(drafter_config) -> dict:
     return {"params": count_params(d), "unit": unit}
 
 
-def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids: list[int] | None = None) -> Plan:
-    """The plan of `blockdraft train` with this RunConfig on a target with this config."""
+def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids: list[int] | None = None,
+             torchrun: bool = False, device_bytes: int = H200_BYTES, bool_logits_to_keep: bool | None = None) -> Plan:
+    """The plan of `blockdraft train` with this RunConfig on a target with this config. `torchrun`:
+    launched by torchrun, which makes a process group even for one GPU (NCCL's buffers; --fsdp
+    shards over that one rank); `device_bytes`: each GPU's memory (default an H200's);
+    `bool_logits_to_keep`: whether the transformers to plan for takes a boolean logits_to_keep
+    (default: ask the installed one, target.mask_keep_supported); without it the target's full
+    logits are made before the label rows are picked."""
     from types import SimpleNamespace
 
     from .config import DrafterConfig, default_target_layer_ids
+    from .target import mask_keep_supported
 
     t = target_sizes(target_config)
     ids = layer_ids or run.target.layer_ids or default_target_layer_ids(t["layers"], run.target.num_features)
@@ -242,12 +359,15 @@ def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids
                heads=dc.num_attention_heads, I=dc.intermediate_size, layers=dc.num_hidden_layers,
                features=len(ids) * t["hidden"], V=t["vocab"], Vd=vocab or t["vocab"], target_hidden=t["hidden"],
                target_intermediate=t["intermediate"], sliding_kinds=kinds)
-    tr = run.train
+    tr, grouped = run.train, world > 1 or torchrun
+    keep_mask = mask_keep_supported() if bool_logits_to_keep is None else bool_logits_to_keep
     p = step_plan(s, target_params=t["params"], head_only_params=t["head_only"], drafter_params=d["params"],
-                  unit_params=d["unit"], cuda=cuda, world=world, fsdp=tr.fsdp and world > 1,
+                  unit_params=d["unit"], cuda=cuda, world=world, fsdp=tr.fsdp and grouped,
                   gradient_checkpointing=tr.gradient_checkpointing, features_cache=bool(run.data.features_cache),
                   target_shards=world if run.target.target_fsdp else 1, target_layer_params=t["layer_params"],
-                  target_largest_layer=t["largest_layer"])
+                  target_largest_layer=t["largest_layer"], grad_accum=tr.grad_accum, grouped=grouped,
+                  device_bytes=device_bytes, full_target_logits=not keep_mask)
+    p.drafter_params = d["params"]
     p.notes.append(f"{rows} rows x {L} tokens per micro-batch, {s.blocks} blocks of {B}, drafter "
                    f"{d['params'] / 1e9:.2f}B params, target {t['params'] / 1e9:.2f}B")
     return p

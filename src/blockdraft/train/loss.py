@@ -226,6 +226,39 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Ten
     return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)
 
 
+LOSS_CHUNK_MIN = 256  # slots per loss chunk off CUDA, and the floor on CUDA
+LOSS_CHUNK_MAX = 8192
+LOSS_MEMORY_SHARE = 32  # one chunk's transient tensors may take 1/32 of the free device memory
+# Bytes one chunk holds per slot and vocabulary entry, estimated: the [chunk, Vd] draft logits in
+# the compute dtype (2), their fp32 log-softmax (4) and its gradient (4), the [chunk, V'] gathered
+# label rows (2): ~12. An estimate for sizing only; blockdraft.plan.loss_chunk_bytes counts each tensor.
+LOSS_BYTES_PER_ENTRY = 12
+
+
+def cuda_free_bytes(device) -> int:
+    """What a new tensor on this CUDA device can take: the driver's free memory plus the blocks torch's
+    caching allocator holds unused (after the first step the allocator keeps the step's peak reserved,
+    so the driver's figure alone would shrink every later step's chunk to the floor)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free) + int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device))
+
+
+def loss_chunk_slots(device, vocab: int, free_bytes: int | None = None) -> int:
+    """Slots per chunk of `dflash_loss_chunked` for a head `vocab` wide on `device`.
+
+    Off CUDA: 256, always (a CPU's results and memory stay as they were). On CUDA a 256-slot chunk
+    is bound by kernel launches (~120 chunks for 30k slots), so a chunk takes as many slots as keep
+    its transient tensors (LOSS_BYTES_PER_ENTRY per slot and vocabulary entry) near 1/32 of the free
+    memory (`free_bytes`; default `cuda_free_bytes`), within [256, 8192], rounded down to a multiple
+    of 256."""
+    if torch.device(device).type != "cuda":
+        return LOSS_CHUNK_MIN
+    if free_bytes is None:
+        free_bytes = cuda_free_bytes(device)
+    slots = max(0, int(free_bytes)) // LOSS_MEMORY_SHARE // (LOSS_BYTES_PER_ENTRY * max(1, int(vocab)))
+    return max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, slots) // LOSS_CHUNK_MIN * LOSS_CHUNK_MIN)
+
+
 def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,
                         gamma: "float | DPace", kind: str = "soft", draft_vocab: torch.Tensor | None = None,
                         chunk: int = 256, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
