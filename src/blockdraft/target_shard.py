@@ -1,13 +1,15 @@
 """A frozen target sharded over the training ranks (`train --target-fsdp`): its decoder layers are
-FSDP2 units, so each of N ranks holds about 1/N of them and gathers one layer at a time in the
-forward; the embedding, final norm, head and rotary tables stay whole on every rank (the drafter
-uses them). Features and labels are the unsharded target's (tests/train/test_target_shard.py).
+FSDP2 units under one root (their owner), so each of N ranks holds about 1/N of them and gathers
+one layer at a time in the forward, the next one's gather prefetched; the embedding, final norm,
+head and rotary tables stay whole on every rank (the drafter uses them). Features and labels are
+the unsharded target's (tests/train/test_target_shard.py).
 
 Loading stages the weights once, in rank 0's host RAM (transformers reads the checkpoint there,
 with its own key conversions); the other ranks build the model on the meta device. Rank 0 then
 broadcasts one decoder layer at a time onto every rank's device, where `fully_shard` keeps that
 rank's share and frees the rest: no rank ever holds more than the non-layer weights, its shares
-and one whole layer (DESIGN.md section 5, rule 6).
+and one whole layer (DESIGN.md section 5, rule 6). Before any broadcast the ranks compare rank 0's
+list of tensors (names, shapes, dtypes) with their own: a mismatch is one ValueError on every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +18,19 @@ import contextlib
 
 import torch
 from torch import nn
+
+
+def _states(module: nn.Module, skip=()):
+    """(name, store, key, tensor) of each parameter and buffer of `module` outside the submodules in
+    `skip`, in the order broadcast_states sends them (`store[key]` is where the tensor lives)."""
+    skipped = {id(m) for s in skip for m in s.modules()}
+    for prefix, mod in module.named_modules():
+        if id(mod) in skipped:
+            continue
+        for store in (mod._parameters, mod._buffers):
+            for key, t in list(store.items()):
+                if t is not None:
+                    yield (f"{prefix}.{key}" if prefix else key), store, key, t
 
 
 def broadcast_states(module: nn.Module, device: torch.device, comm_device: torch.device, skip=()) -> None:
@@ -34,36 +49,96 @@ def broadcast_states(module: nn.Module, device: torch.device, comm_device: torch
             done[id(t)] = buf.to(device)
         return done[id(t)]
 
+    for _, store, key, t in list(_states(module, skip)):
+        store[key] = nn.Parameter(moved(t), requires_grad=False) if isinstance(t, nn.Parameter) else moved(t)
     for mod in module.modules():
         if id(mod) in skipped:
             continue
-        for name, t in list(mod._parameters.items()):
-            if t is not None:
-                mod._parameters[name] = nn.Parameter(moved(t), requires_grad=False)
-        for name, t in list(mod._buffers.items()):
-            if t is not None:
-                mod._buffers[name] = moved(t)
         if ("original_inv_freq" not in mod._buffers and "inv_freq" in mod._buffers
                 and isinstance(getattr(mod, "original_inv_freq", None), torch.Tensor)):  # older rotary tables
             mod.original_inv_freq = mod._buffers["inv_freq"]
 
 
+def tensor_manifest(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype) of every tensor shard_target broadcasts, in its order: what every rank's
+    model must hold alike for the broadcasts to pair up."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for module, skip, prefix in [(model, list(layers), "")] + [(x, (), names[id(x)] + ".") for x in layers]:
+        seen = set()
+        for name, _, _, t in _states(module, skip):
+            if id(t) not in seen:  # a tied tensor is sent once
+                seen.add(id(t))
+                out.append((prefix + name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+    return out
+
+
+def _said(entry, name: str) -> str:
+    if entry is None:
+        return "nothing"
+    return ("" if entry[0] == name else f"{entry[0]} ") + f"{list(entry[1])} {entry[2]}"
+
+
+def _first_difference(ref: list, mine: list, rank: int) -> str | None:
+    """A one-line account of the first tensor where this rank's manifest differs from rank 0's."""
+    for i in range(max(len(ref), len(mine))):
+        a = ref[i] if i < len(ref) else None
+        b = mine[i] if i < len(mine) else None
+        if a != b:
+            name = (a or b)[0]
+            return (f"--target-fsdp: rank {rank}'s target differs from rank 0's at tensor {i} ({name}): "
+                    f"rank 0 has {_said(a, name)}, rank {rank} {_said(b, name)}; the ranks broadcast the "
+                    "weights into same-shaped tensors, so every rank must build the model alike (same "
+                    "config, dtype and transformers version; rank 0 loads it with from_pretrained, the others "
+                    "with from_config, which differ for a family that keeps some modules in fp32)")
+    return None
+
+
+def check_same_tensors(model: nn.Module, layers: nn.ModuleList, comm_device: torch.device) -> None:
+    """Rank 0's tensor_manifest against every rank's own, before any broadcast: a mismatch would
+    broadcast into wrong buffers (a hang, or garbage). All ranks agree on the outcome, so each
+    raises the same ValueError (the lowest differing rank's) and none waits in a broadcast."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = tensor_manifest(model, layers)
+    box = [mine if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, device=comm_device)
+    found: list = [None] * world
+    dist.all_gather_object(found, _first_difference(box[0], mine, rank))
+    message = next((m for m in found if m is not None), None)
+    if message is not None:
+        raise ValueError(message)
+
+
+def _owner(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """The module holding `layers` (a family's base or text model): every forward enters through it."""
+    for mod in model.modules():
+        if any(child is layers for child in mod.children()):
+            return mod
+    raise ValueError(f"{type(model).__name__} does not hold its decoder layers as a child module")
+
+
 def shard_target(model: nn.Module, layers: nn.ModuleList, device: torch.device, comm_device: torch.device) -> None:
     """Rank 0's model (on the host) and the others' (on meta) become one model sharded by decoder
-    layer: the rest broadcast whole, each layer broadcast and then sharded with FSDP2."""
+    layer: the rest broadcast whole, each layer broadcast and then sharded with FSDP2.
+
+    One FSDP root, the layers' owner, with everything outside the layers ignored (whole on every
+    rank): under one root, layer i prefetches layer i + 1's all-gather during its own forward
+    instead of each layer, as its own root, waiting for its gather. Frozen: no backward, so every
+    layer is resharded after its forward."""
     from torch.distributed.fsdp import fully_shard
 
+    check_same_tensors(model, layers, comm_device)
     broadcast_states(model, device, comm_device, skip=list(layers))  # everything outside the layers, whole
     for layer in layers:
         broadcast_states(layer, device, comm_device)
-        fully_shard(layer)  # this rank keeps its share of the layer; the whole copy is freed
-        # each layer is its own FSDP root (the embedding and head stay whole), and FSDP keeps a root
-        # gathered after its forward; a frozen layer has no backward to keep it for
-        layer.register_forward_hook(_reshard)
-
-
-def _reshard(module, _inputs, _output) -> None:
-    module.reshard()
+        fully_shard(layer, reshard_after_forward=True)  # this rank keeps its share; the whole copy is freed
+    root = _owner(model, layers)
+    sharded = {id(p) for layer in layers for p in layer.parameters()}
+    fully_shard(root, ignored_params={p for p in root.parameters() if id(p) not in sharded})
+    for layer, following in zip(layers, list(layers)[1:]):
+        layer.set_modules_to_forward_prefetch([following])
 
 
 @contextlib.contextmanager

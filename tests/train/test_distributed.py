@@ -292,6 +292,30 @@ def test_an_nccl_group_is_bound_to_the_ranks_gpu_with_a_long_timeout(monkeypatch
     assert bd._COMM_DEVICE == torch.device("cpu")
 
 
+def test_the_drafter_is_sharded_at_the_precision_it_trains_at(monkeypatch):
+    """On CUDA (bf16 autocast) FSDP2 gathers bf16 shards and reduces fp32 gradients, so no layer
+    re-casts its fp32 weights in every forward; on a CPU no policy (plain fp32). Every unit gets it."""
+    import torch.distributed.fsdp as fsdp
+
+    import blockdraft.train.distributed as bd
+
+    assert bd.mixed_precision_policy("cpu") is None and bd.mixed_precision_policy(torch.device("cpu")) is None
+    policy = bd.mixed_precision_policy("cuda:1")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert policy.cast_forward_inputs is False  # the residual stream between layers stays fp32
+    assert bd.mixed_precision_policy(torch.device("cuda", 0)) == policy
+    drafter = torch.nn.Module()
+    drafter.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    calls = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append((module, kw)))
+    bd.shard_drafter(drafter, device="cuda:1")
+    assert [m for m, _ in calls] == [*drafter.layers, drafter]
+    assert all(kw.get("mp_policy") == policy for _, kw in calls), calls
+    calls.clear()
+    bd.shard_drafter(drafter, device=torch.device("cpu"))
+    assert len(calls) == 3 and all("mp_policy" not in kw for _, kw in calls), calls
+
+
 def differing_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)

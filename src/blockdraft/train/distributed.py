@@ -192,12 +192,28 @@ def barrier() -> None:
 # single-process layout (full tensors, optimizer state keyed by parameter index), gathered
 # collectively and written by rank 0, so a run can resume with or without sharding.
 
-def shard_drafter(drafter) -> None:
+def mixed_precision_policy(device: str | torch.device):
+    """FSDP2's precision for a drafter trained on `device`: on CUDA (bf16 autocast) the shards are
+    all-gathered as bf16, so no layer re-casts its fp32 weights in every forward and recompute, and
+    gradients are reduce-scattered in fp32; None on a CPU (no autocast there: plain fp32)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # inputs are not cast: the residual stream between layers stays fp32, as under autocast alone
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def shard_drafter(drafter, device: str | torch.device = "cpu") -> None:
+    """Each decoder layer one FSDP2 unit, the root the rest, at the precision training runs at on
+    `device` (mixed_precision_policy)."""
     from torch.distributed.fsdp import fully_shard
 
+    policy = mixed_precision_policy(device)
+    kw = {} if policy is None else {"mp_policy": policy}
     for layer in drafter.layers:
-        fully_shard(layer)
-    fully_shard(drafter)
+        fully_shard(layer, **kw)
+    fully_shard(drafter, **kw)
 
 
 def gradient_sync(module, enabled: bool) -> None:
