@@ -17,7 +17,7 @@ from ..model.attention import BlockLayout
 from ..model.blocks import block_input_ids, label_positions, supervised_slots
 from ..model.masks import document_starts
 from .anchors import sample_anchors
-from .loss import Labels, default_gamma, dflash_loss_chunked
+from .loss import Labels, default_gamma, dflash_loss_chunked, loss_chunk_slots
 from .options import DEFAULTS
 
 
@@ -100,26 +100,28 @@ class Prepared:
     layout: BlockLayout
 
 
-def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
-            generator: torch.Generator | None = None,
-            anchors: torch.Tensor | None = None, cached=None) -> Prepared:
-    """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
+@dataclass
+class HostPlan:
+    """A batch's host-side bookkeeping (flattening, anchors, supervised slots, label rows): no device
+    work, so the trainer makes the next micro-batch's on a thread while the device runs this one."""
 
-    `anchors` (flat, sorted) overrides sampling. `cached` (data.features.StoredOutputs, stored
-    earlier) replaces the target forward: the labels are then the target's own head on its final
-    normed state, which equals its logits (one norm, never two); with its full-vocabulary argmax
-    known, a draft vocabulary's rows are all the head computes.
-    """
-    B = drafter.block_size
+    host: Flat
+    anchors: torch.Tensor  # [N]
+    supervised: torch.Tensor  # [N, B] bool
+    keep: torch.Tensor  # [Bz*T] bool: positions whose logits are labels
+    index: torch.Tensor  # [S] each supervised slot's row among the kept positions
+
+
+def plan_host(batch: Batch, block_size: int, *, max_anchors: int = DEFAULTS.max_anchors,
+              generator: torch.Generator | None = None, anchors: torch.Tensor | None = None) -> HostPlan:
+    """The host half of `prepare` (clauses 4 and 6): anchors, supervised slots and label positions."""
+    B = block_size
     Bz, T = batch.input_ids.shape
     if T < B:
         raise ValueError(f"sequence length {T} is shorter than a block ({B}); use longer sequences "
                          f"or a smaller block size")
     if not bool(batch.loss_mask.any()):
         raise ValueError("the loss mask is empty: no token to learn in this batch")
-    dev = target.device
-    # the index bookkeeping (anchors, supervised slots, label positions) is done on the host, from
-    # the host's copy of the batch: no device round trip per row or per slot
     host = flatten(batch)
     host = Flat(*(t.cpu() for t in (host.input_ids, host.loss_mask, host.position_ids, host.document_ids)))
     anchors = (sample_batch_anchors(batch, host, B, max_anchors, generator) if anchors is None
@@ -131,9 +133,26 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
     lpos = label_positions(anchors, B)[sup]  # [S] flat positions whose logits are the labels
     keep = torch.zeros(Bz * T, dtype=torch.bool)
     keep[lpos] = True
-    # overlapping blocks share label positions: the head runs once per distinct position
     row_of = torch.cumsum(keep.long(), 0) - 1  # flat position -> row among the kept positions
-    index = row_of[lpos]  # [S] each supervised slot's row among them
+    return HostPlan(host, anchors, sup, keep, row_of[lpos])
+
+
+def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
+            generator: torch.Generator | None = None,
+            anchors: torch.Tensor | None = None, cached=None, host_plan: HostPlan | None = None) -> Prepared:
+    """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
+
+    `anchors` (flat, sorted) overrides sampling. `cached` (data.features.StoredOutputs, stored
+    earlier) replaces the target forward: the labels are then the target's own head on its final
+    normed state, which equals its logits (one norm, never two); with its full-vocabulary argmax
+    known, a draft vocabulary's rows are all the head computes. `host_plan`: `plan_host` of this
+    batch, made ahead (else made here).
+    """
+    B = drafter.block_size
+    Bz, T = batch.input_ids.shape
+    dev = target.device
+    hp = host_plan or plan_host(batch, B, max_anchors=max_anchors, generator=generator, anchors=anchors)
+    host, anchors, sup, keep, index = hp.host, hp.anchors, hp.supervised, hp.keep, hp.index
     flat = Flat(*(t.to(dev) for t in (host.input_ids, host.loss_mask, host.position_ids, host.document_ids)))
     anchors_d, sup_d, keep_d, index_d = (t.to(dev) for t in (anchors, sup, keep, index))
     if cached is None:
@@ -158,10 +177,10 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
 def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
                  gamma: float | None = DEFAULTS.gamma, loss: str = DEFAULTS.loss, generator: torch.Generator | None = None,
                  backend: str = "auto", anchors: torch.Tensor | None = None, cached=None,
-                 sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+                 sync_metrics: bool = True, host_plan: HostPlan | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (clause 7); `sync_metrics=False` leaves them on the device as sums."""
     p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors,
-                cached=cached)
+                cached=cached, host_plan=host_plan)
     dt = drafter.fc.weight.dtype
     # under autocast fc takes the features as they come (an fp32 copy of [T, F*Ht] would be the
     # largest tensor of the step); the block rows start the residual stream in the weights' dtype
@@ -170,9 +189,11 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     rows = drafter.vocab_rows
     g = default_gamma(drafter.block_size) if gamma is None else gamma
     # the [S, Vd] draft logits are made one chunk of slots at a time (and again in backward)
+    # (as many slots per chunk as the device's free memory allows: 256 on a CPU)
+    width = len(rows) if rows is not None else p.target_logits.logits.shape[-1]  # the head's vocabulary
     return dflash_loss_chunked(hidden[p.supervised], lambda h: target.head(h.to(target.dtype), rows),
                                p.target_logits, p.supervised, gamma=g, kind=loss, draft_vocab=rows,
-                               sync_metrics=sync_metrics)
+                               chunk=loss_chunk_slots(hidden.device, width), sync_metrics=sync_metrics)
 
 
 def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:

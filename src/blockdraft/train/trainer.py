@@ -19,10 +19,30 @@ from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
 from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
                           gradient_sync, grouped, world)
+from .cadence import Cadence, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
 from .options import TrainConfig
 from .state import load_state, save_state
-from .step import compute_loss
+from .step import compute_loss, plan_host
+
+# on a GPU, the most of the wall time checkpoints and evaluations may each take (train.cadence)
+GPU_WORK_SHARE = 0.05
+
+
+def optimizer_options(device: torch.device) -> dict:
+    """AdamW's implementation: fused (one kernel for every parameter) on CUDA; the default elsewhere."""
+    return {"fused": True} if torch.device(device).type == "cuda" else {}
+
+
+def memory_peaks(device: torch.device) -> dict:
+    """This rank's peak allocated and reserved (the caching allocator's, fragmentation included) memory
+    since the last call, in GiB, on CUDA; nothing elsewhere."""
+    if torch.device(device).type != "cuda":
+        return {}
+    got = {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+           "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return got
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -81,6 +101,14 @@ class Trainer:
         self._order: dict[int, tuple[int, torch.Tensor]] = {}
         self._prefetch = None  # a feature cache is read one micro-batch ahead (prefetch.Prefetcher)
         drafter.gradient_checkpointing = cfg.gradient_checkpointing
+        gpu = target.device.type == "cuda"
+        # the next micro-batch's host bookkeeping is made on a thread while the device runs this one
+        self.plan_ahead = gpu
+        self._planned: dict = {}
+        self._planner = None
+        share = GPU_WORK_SHARE if gpu else None
+        self.save_cadence = Cadence(cfg.save_every, share, first=not gpu, agree=rank0_says)
+        self.eval_cadence = Cadence(cfg.eval_every, share, agree=rank0_says)
 
     def gamma(self):
         """This step's slot weighting (`gamma_schedule`): a fixed gamma, one following the acceptance,
@@ -98,7 +126,8 @@ class Trainer:
 
     def _optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95),
+                                 **optimizer_options(self.target.device))
 
     def _shard(self) -> None:
         """FSDP2: shard the drafter once its feature scale and any resumed state are in place; the
@@ -106,7 +135,7 @@ class Trainer:
         from .distributed import load_full_optimizer_state, shard_drafter
 
         resumed = self.opt.state_dict()
-        shard_drafter(self.drafter)
+        shard_drafter(self.drafter, device=self.target.device)
         self.opt = self._optimizer()
         if resumed["state"]:
             load_full_optimizer_state(self.drafter, self.opt, resumed)
@@ -122,7 +151,7 @@ class Trainer:
         sd = full_model_state(self.drafter)
         if self.rank != 0:
             return None
-        plain = DFlashDrafter(self.drafter.config)
+        plain = DFlashDrafter(self.drafter.config, initialize=False)  # every weight comes from the shards
         plain.load_state_dict(sd)
         plain.feature_scale.copy_(self.drafter.feature_scale.cpu())
         return plain
@@ -191,6 +220,28 @@ class Trainer:
         if nxt[0] < self.total:
             self._prefetch.ask(self.batch_indices(*nxt))
         return idx, got
+
+    def host_plan(self, step: int, micro: int, batch):
+        """This micro-batch's host bookkeeping (step.plan_host), made ahead on a thread where
+        `plan_ahead`; then the next one's is started. The anchors come from the micro-batch's own
+        seed, so the plan is the same made here or there."""
+        fut = self._planned.pop((step, micro), None)
+        plan = fut.result() if fut is not None else self._plan(batch, step, micro)
+        if self.plan_ahead:
+            nxt = (step, micro + 1) if micro + 1 < self.cfg.grad_accum else (step + 1, 0)
+            if nxt[0] < self.total:
+                if self._planner is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._planner = ThreadPoolExecutor(1, thread_name_prefix="blockdraft-plan")
+                idx = self.batch_indices(*nxt)  # here: the epoch orders are kept in a dict
+                self._planned[nxt] = self._planner.submit(
+                    lambda: self._plan(rows_batch(self.train_rows, idx), *nxt))
+        return plan
+
+    def _plan(self, batch, step: int, micro: int):
+        return plan_host(batch, self.drafter.block_size, max_anchors=self.cfg.max_anchors,
+                         generator=self.anchor_generator(self.global_micro(step, micro)))
 
     # --------------------------------------------------------------- checkpoints
     @property
@@ -262,12 +313,12 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             idx, cached = self.micro_batch(s, micro)
             b = rows_batch(self.train_rows, idx)
-            gen = self.anchor_generator(self.global_micro(s, micro))
+            plan = self.host_plan(s, micro, b)
             if self.fsdp:  # reduce-scatter the gradients once, after the step's last micro-batch
                 gradient_sync(self.drafter, micro == cfg.grad_accum - 1)
             with autocast_for(dev):
                 loss, m = compute_loss(self.target, self.drafter, b, max_anchors=cfg.max_anchors, gamma=gamma,
-                                       loss=cfg.loss, generator=gen, backend=cfg.backend, cached=cached)
+                                       loss=cfg.loss, backend=cfg.backend, cached=cached, host_plan=plan)
             (loss / cfg.grad_accum).backward()
             for k in agg:
                 agg[k] += m[k] / cfg.grad_accum
@@ -285,9 +336,8 @@ class Trainer:
         agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], step_s=step_s,
                    gamma="dpace" if cfg.gamma_schedule == "dpace" else gamma,
                    tokens_per_s=tokens / step_s)
-        if dev.type == "cuda":  # this step's peak on every rank, in GiB
-            agg["peak_mem_gib"] = all_gather_floats([torch.cuda.max_memory_allocated(dev) / 2**30])
-            torch.cuda.reset_peak_memory_stats(dev)
+        for k, v in memory_peaks(dev).items():  # this step's peaks on every rank, in GiB (CUDA)
+            agg[k] = all_gather_floats([v])
         return agg
 
     def train(self, resume: bool = False) -> dict:
@@ -321,11 +371,11 @@ class Trainer:
             m["elapsed"] = self.progress["elapsed"]
             step = self.progress["step"]
             # every rank evaluates its share of the held-out rows; rank 0 logs
-            if self.eval_rows is not None and (step % self.cfg.eval_every == 0
-                                                                        or step == self.total):
+            if self.eval_rows is not None and self.eval_cadence.due(step, self.total):
                 bar.set_description("train (evaluating)")
-                last_eval = evaluate(self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch,
-                                     self.eval_features, collective_forward=self.collective_forward)
+                last_eval = self.eval_cadence.run(lambda: evaluate(
+                    self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch, self.eval_features,
+                    collective_forward=self.collective_forward))
                 bar.set_description("train")
                 m.update(last_eval)
             if step % self.cfg.log_every == 0 or "eval_tau" in m:
@@ -333,11 +383,13 @@ class Trainer:
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}", tau=f"{m['tau']:.2f}",
                             **({"eval_tau": f"{last_eval['eval_tau']:.2f}"} if last_eval else {}))
             bar.update(1)
-            if step % self.cfg.save_every == 0 or step == self.total or step == 1:  # the first one early
-                self.save()
+            if self.save_cadence.due(step, self.total):
+                self.save_cadence.run(self.save)
         bar.close()
         if self._prefetch is not None:
             self._prefetch.close()
+        if self._planner is not None:
+            self._planner.shutdown()
         final = self.plain_drafter()
         if lead:
             try:
