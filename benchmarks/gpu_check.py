@@ -328,7 +328,8 @@ def train(check: Check, cap: float) -> dict:
     args = train_args(m["target"], m["flags"], m["steps"], data, out, m["steps"])
     run(torchrun(m["nproc"], args), check.work / "train.log", cap)
     fig = training_figures(out)
-    fig.update(figures_of_run(m["target"], m["flags"], m["nproc"], out / "drafter", check.cpu))
+    fig.update(figures_of_run(m["target"], m["flags"], m["nproc"], out / "drafter", check,
+                              fig["tokens_per_s"]))
     if not (out / "checkpoint").is_dir() or not fig.get("eval_tau"):
         raise RuntimeError("the run wrote no checkpoint or no held-out tau")
     return fig
@@ -404,7 +405,8 @@ def big(check: Check, cap: float) -> dict:
         args = train_args(m["big_target"], m["big_flags"], m["big_steps"], data, out, 10**6)
         run(torchrun(m["nproc"], args), check.work / "big.log", cap)
         fig = training_figures(out)
-        fig.update(figures_of_run(m["big_target"], m["big_flags"], m["nproc"], out / "drafter", check.cpu))
+        fig.update(figures_of_run(m["big_target"], m["big_flags"], m["nproc"], out / "drafter", check,
+                                  fig["tokens_per_s"]))
         fig["checkpoint_gib"] = round(sum(f.stat().st_size for f in (out / "checkpoint").rglob("*") if f.is_file())
                                       / GIB, 2)
         return fig
@@ -456,16 +458,21 @@ def planned(target: str, flags: str, world: int, cuda: bool) -> dict:
             "planned_total_gib": plan.total / GIB, "planned_parts_gib": plan.gib(), "drafter_params": plan.drafter_params}
 
 
-def figures_of_run(target: str, flags: str, world: int, drafter_dir: Path, cpu: bool) -> dict:
+def figures_of_run(target: str, flags: str, world: int, drafter_dir: Path, check: Check,
+                   tokens_per_s: float) -> dict:
+    """The plan's figures beside a finished run's, the model FLOPs per token and, on a known GPU, MFU."""
     from blockdraft.plan import target_sizes
     from blockdraft.tiny import random_config
 
-    fig = planned(target, flags, world, not cpu)
+    fig = planned(target, flags, world, not check.cpu)
     fig["drafter_params"] = params_of(drafter_dir)
     sizes = target_sizes(random_config(target))
     L, B, A = flag(flags, "--max-length"), flag(flags, "--block-size"), flag(flags, "--max-anchors")
     fig["model_flops_per_token"] = flops_per_token(sizes["params"], fig["drafter_params"], min(A, L) / L, B,
                                                    sizes["hidden"], sizes["vocab"])
+    peak = next((v for k, v in PEAK_BF16.items() if k in check.report.get("device", "")), None)
+    if peak and not check.cpu:
+        fig["mfu"] = tokens_per_s * fig["model_flops_per_token"] / (peak * world)
     return fig
 
 
