@@ -71,3 +71,36 @@ def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny Llama with SmolLM2's tokenizer saved as a local target directory (commands' tests)."""
+    d = tmp_path_factory.mktemp("tiny-target-dir")
+    model = _tiny_causal_lm("llama", vocab=len(smollm2_tokenizer), layers=8, hidden=32, max_positions=1024)
+    model.save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """24 bundled conversations as a JSONL file."""
+    import json
+
+    from blockdraft.data import load_conversations
+    from blockdraft.data.pipeline import default_data_file
+
+    convs, _ = load_conversations(default_data_file())
+    path = tmp_path_factory.mktemp("chat-data") / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs[:24]))
+    return str(path)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (a killed writer's, in a temporary's name or a lock)."""
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid

@@ -163,4 +163,8 @@ def test_data_check_catches_user_tokens_in_the_loss(monkeypatch, tmp_path, smoll
 def test_cli_exit_code(tmp_path):
     from blockdraft.cli import main
 
-    assert main(["doctor", "--drafter", str(tmp_path / "missing")]) == 1
+    (tmp_path / "not-a-drafter").mkdir()
+    assert main(["doctor", "--drafter", str(tmp_path / "not-a-drafter")]) == 1  # a FAIL line
+    with pytest.raises(SystemExit) as e:  # a path that does not exist is a mistaken flag: exit 2
+        main(["doctor", "--drafter", str(tmp_path / "missing")])
+    assert e.value.code == 2

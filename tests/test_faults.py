@@ -114,7 +114,7 @@ def test_train_killed_at_random_points_resumes_to_the_same_drafter(tmp_path, tin
     for trial in range(2):
         out = tmp_path / f"kill{trial}"
         killed(base + ["--out", str(out)], rng.uniform(0.4, 0.9) * wall)
-        resumed = finish(*base, "--out", str(out), *(["--resume"] if (out / "checkpoint").exists() else []))
+        resumed = finish(*base, "--out", str(out), "--resume" if (out / "checkpoint").exists() else "--overwrite")
         assert resumed.returncode == 0, resumed.stderr
         assert same_tensors(out / "drafter" / "model.safetensors", ref_path := tmp_path / "ref" / "drafter" /
                             "model.safetensors"), trial
@@ -134,6 +134,7 @@ def test_extract_regenerate_convert_killed_keep_what_they_finished(tmp_path, tin
     ref_shards = sorted((tmp_path / "ref-cache").glob("shard-*.safetensors"))
     for s in ref_shards:
         assert same_tensors(s, tmp_path / "cache" / s.name)
+    assert not [p.name for p in (tmp_path / "cache").iterdir() if ".blockdraft-tmp-" in p.name]  # none left
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Count to {i}."}]})
                                + "\n" for i in range(12)))
@@ -192,15 +193,15 @@ def test_a_full_disk_is_found_before_the_run_and_nothing_is_lost(tmp_path, tiny_
     else:
         disk = small_disk
     out = disk / "run"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "notes.txt").write_text("mine")
+    disk.mkdir(parents=True, exist_ok=True)
+    (disk / "notes.txt").write_text("mine")  # beside the run: a directory holding it would be refused first
     if small_disk is not None:
         fill(disk, 64 * 1024)
     user_error(capsys, ["train", "--target", tiny_dir, "--data", data, "--steps", "2", "--out", str(out), *TRAIN],
                "not enough disk space", "MiB")
-    assert (out / "notes.txt").read_text() == "mine" and not (out / "checkpoint.tmp").exists()
+    assert (disk / "notes.txt").read_text() == "mine" and not out.exists()  # a refused run creates nothing
     user_error(capsys, ["convert", "--to", "zlab", "--allow-mismatch", "default", str(disk / "conv")], "disk space")
-    assert not (disk / "conv").exists() and not (disk / "conv.tmp").exists()
+    assert {p.name for p in disk.iterdir()} - {"ballast"} == {"notes.txt"}  # no lock, no temporary
 
 
 def test_a_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
@@ -222,7 +223,7 @@ def test_a_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="checkpoint of step 1 is kept"):
         tr.train()
     REPORT["faults"] += 1
-    assert not (tmp_path / "checkpoint.tmp").exists()
+    assert not list(tmp_path.glob(".checkpoint.blockdraft-*"))  # the failed write's temporary is gone
     monkeypatch.setattr(state, "save_file", real)
     again = make(tmp_path, steps=6)
     again.train(resume=True)

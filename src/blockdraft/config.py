@@ -114,6 +114,9 @@ class DrafterConfig:
     generate_defaults: dict | None = None
 
     def __post_init__(self) -> None:
+        from .options import check_fields
+
+        check_fields(self, where="drafter config: ")  # types (a JSON config may hold anything) and finite numbers
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.intermediate_size is None:
@@ -131,6 +134,14 @@ class DrafterConfig:
                 raise ValueError(msg)
 
         need(self.block_size >= 2, f"block_size must be >= 2 (one anchor + at least one draft slot), got {self.block_size}")
+        sizes = ("target_hidden_size", "target_num_layers", "vocab_size", "hidden_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+        small = [f"{k} {getattr(self, k)}" for k in sizes if getattr(self, k) < 1]
+        need(not small, f"drafter config: sizes must be >= 1, got {', '.join(small)}")
+        need(self.rms_norm_eps > 0 and self.rope_theta > 0,
+             f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps} and {self.rope_theta}")
+        need(self.hidden_act in _activations(), f"unknown hidden_act {self.hidden_act!r}; use one of transformers' "
+             f"activations ({', '.join(sorted(a for a in _activations() if a in ('silu', 'gelu', 'relu')))}, ...)")
         need(self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         need(self.hidden_size == self.target_hidden_size,
              f"drafter hidden_size ({self.hidden_size}) must equal the target's ({self.target_hidden_size}): "
@@ -263,6 +274,13 @@ class DrafterConfig:
             layer_types=self.layer_types,
             sliding_window=self.sliding_window,
         )
+
+
+def _activations() -> set:
+    """The activation names transformers' MLP builds (what `hidden_act` may name)."""
+    from transformers.activations import ACT2FN
+
+    return set(ACT2FN)
 
 
 def _rope_theta(tc: Any) -> float:

@@ -346,8 +346,8 @@ def sample_input(target, data: str | None) -> torch.Tensor:
     return encode_prompt(target.tokenizer, [{"role": "user", "content": text}])
 
 
-NEEDS_CHECKPOINT = ("checkpoint", "target match", "serving engines", "serving = training", "vLLM acceptance",
-                    "llama.cpp")
+NEEDS_CHECKPOINT = ("checkpoint", "target match", "finite weights", "serving engines", "serving = training",
+                    "vLLM acceptance", "llama.cpp")
 
 
 def probe_drafter(target):
@@ -363,12 +363,15 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
                vllm: bool = False, llama_cpp: bool = False, target_gguf: str | None = None,
                debug: bool = False) -> list[Check]:
     """All checks; with `drafter` None, those that need no checkpoint (on a probe drafter)."""
+    from . import finite
+
     ids = sample_input(target, data) if sample_ids is None else sample_ids
     probe = drafter is None
     d = probe_drafter(target) if probe else drafter
     checks = [
         _guard("layer ids", check_layer_ids, target, d, debug=debug),
         _guard("labels", check_labels, target, d, ids, debug=debug),
+        _guard("finite logits", finite.check_logits, target, d, ids, debug=debug),
         _guard("mask", check_mask, d, debug=debug),
         _guard("mask token", check_mask_token, target, d, debug=debug),
         _guard("target family", check_family, target, debug=debug),
@@ -380,10 +383,11 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
     ]
     if probe:
         for c in checks:
-            if c.name in ("layer ids", "mask", "mask token", "greedy identity"):
+            if c.name in ("layer ids", "finite logits", "mask", "mask token", "greedy identity"):
                 c.message += " (probe drafter: blockdraft train's default layout)"
         return checks + [Check(n, SKIP, "needs a trained drafter (--drafter DIR)") for n in NEEDS_CHECKPOINT]
-    checks[4:4] = [_guard("target match", check_pairing, target, d, debug=debug),
+    checks[5:5] = [_guard("target match", check_pairing, target, d, debug=debug),
+                   _guard("finite weights", finite.check_weights, d, debug=debug),
                    _guard("serving engines", check_engines, d, debug=debug)]
     checks.append(_guard("serving = training", check_serving, target, d, ids, debug=debug))
     if vllm:

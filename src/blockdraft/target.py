@@ -154,7 +154,7 @@ class TargetModel(nn.Module):
                 model_kwargs.pop("device_map", None)
                 if device is not None:  # loaded straight onto its device, not staged in host RAM first
                     model_kwargs["device_map"] = {"": str(device)}
-            model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, **model_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, use_safetensors=True, **model_kwargs)
         tok = load_tokenizer(local)
         # a spread model (device_map) hands its outputs to the drafter's device
         target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id,

@@ -25,24 +25,17 @@ def cache_dir() -> Path:
 
 
 def _gguf_to_safetensors(gguf_path: Path, out: Path) -> Path:
-    """Load a GGUF once (slow: de-quantises every tensor) and save a safetensors directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A GGUF converted once per machine into the cache (target_cache: locked, complete only with
+    its completion marker, written by whichever rank converts)."""
+    from .target_cache import convert_once
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config and weights.
-    config = model.config
-    for attr in ("quantization_config",):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    plain = type(model)(config)
-    plain.load_state_dict(model.state_dict())
-    tmp.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a crash leaves no half-written cache
-    return out
+    return convert_once(gguf_path, out)
+
+
+def _cached(out: Path) -> bool:
+    from .target_cache import complete
+
+    return complete(out)
 
 
 def is_random(name_or_path) -> bool:
@@ -86,7 +79,7 @@ def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
             )
         gguf = Path(spec.submodule_search_locations[0]) / fname
         out = cache_dir() / cname
-        if not (out / "config.json").exists():
+        if not _cached(out):
             _gguf_to_safetensors(gguf, out)
         return out, s
     p = Path(s).expanduser()
@@ -94,36 +87,93 @@ def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
         st = p.stat()
         key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
         out = cache_dir() / f"{p.stem}-{key}"
-        if not (out / "config.json").exists():
+        if not _cached(out):
             _gguf_to_safetensors(p, out)
         return out, p.stem
     if not p.is_dir():
         raise ValueError(f"target '{s}' is neither the embedded name {list(EMBEDDED)}, a local model directory nor a .gguf file")
+    refuse_pickled(p)
     return p, p.name
+
+
+PICKLED = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def refuse_pickled(local: Path) -> None:
+    """Targets load from safetensors only (`use_safetensors=True`): a pickled checkpoint
+    (`pytorch_model.bin`) runs code when torch unpickles it, so a directory holding no other
+    weights is refused, naming the one-time conversion."""
+    if any(local.glob("*.safetensors")):
+        return
+    pickled = sorted({f.name for pattern in PICKLED for f in local.glob(pattern)})
+    if pickled:
+        raise ValueError(f"{local} holds only pickled weights ({pickled[0]}), which blockdraft does not load (unpickling "
+                         "runs code); convert them once, from a source you trust: AutoModelForCausalLM.from_pretrained"
+                         "(DIR).save_pretrained(NEW_DIR, safe_serialization=True), tokenizer files beside them")
 
 
 @dataclass
 class TargetOptions:
     """Which target a command runs, where, and which of its layers feed the drafter."""
 
-    target: str = opt("smollm2", "the target: the embedded name, a local transformers directory or a .gguf file")
-    device: str | None = opt(None, "cpu, cuda, cuda:1 ... (default: cuda if available)")
-    threads: int | None = opt(None, "CPU threads (one per process on a busy machine)")
+    target: str = opt("smollm2", "the target: the embedded name, a local transformers directory or a .gguf file",
+                      check=lambda s: check_target_name(s))
+    device: str | None = opt(None, "cpu, cuda, cuda:1 ... (default: cuda if available)",
+                             check=lambda s: check_device(s))
+    threads: int | None = opt(None, "CPU threads (one per process on a busy machine)", min=1)
     target_device_map: str | None = opt(None, "spread a target too big for one device: auto, balanced, sequential, "
                                               "or a JSON object (inline or a file) of module -> device, as "
-                                              "transformers' device_map", metavar="MAP")
+                                              "transformers' device_map", metavar="MAP",
+                                        check=lambda s: parse_device_map(s) and None)
     offload_folder: str | None = opt(None, "where 'disk' entries of --target-device-map live")
     target_fsdp: bool = opt(False, "under torchrun: shard the frozen target's decoder layers over the ranks (FSDP2): "
                                    "each rank holds about 1/N of them and gathers one layer at a time")
-    num_features: int = opt(5, "target layers whose outputs feed the drafter, spread uniformly (clause 1)")
+    num_features: int = opt(5, "target layers whose outputs feed the drafter, spread uniformly (clause 1)", min=1)
     layer_ids: list[int] | None = opt(None, "explicit target layer ids instead (0-based decoder-layer outputs), "
                                             "comma-separated", metavar="IDS")
 
 
 def pick_device(device: str | None) -> str:
     if device:
-        return device
+        try:
+            return check_device(device)
+        except ValueError as e:
+            raise ValueError(f"--device {e}") from None
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str) -> str:
+    """`device` if this torch can run on it, else a ValueError saying why (no CUDA build, no GPU)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return device
+    backend = getattr(torch, dev.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        why = "this torch is a CPU-only build" if dev.type == "cuda" and not torch.version.cuda else "none is visible"
+        raise ValueError(f"{device}: {why}; use --device cpu")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{device}: only {count} {dev.type} device(s) are visible")
+    return device
+
+
+def check_target_name(s: str) -> str:
+    """A --target that names something: the embedded name, a `random:` preset, a directory or a .gguf file."""
+    if is_random(s):
+        from .tiny import random_preset
+
+        random_preset(s)
+        return s
+    p = Path(s).expanduser()
+    if p.is_dir():
+        refuse_pickled(p)
+    if s in EMBEDDED or p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
+        return s
+    raise ValueError(f"target '{s}' is neither the embedded name {list(EMBEDDED)}, a local model directory nor "
+                     "a .gguf file")
 
 
 SPREAD_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -157,17 +207,7 @@ def spread_kwargs(opts, drafter_device: str | None = None) -> dict:
     spec = getattr(opts, "target_device_map", None)
     if not spec:
         return {}
-    if spec in SPREAD_NAMES:
-        device_map = spec
-    else:
-        text = spec if spec.lstrip().startswith("{") else Path(spec).read_text() if Path(spec).is_file() else spec
-        try:
-            device_map = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--target-device-map must be one of {', '.join(SPREAD_NAMES)} or a JSON object of "
-                             f"module -> device (inline or a file): {e}") from None
-        if not isinstance(device_map, dict):
-            raise ValueError("--target-device-map JSON must be an object of module -> device")
+    device_map = parse_device_map(spec)
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         raise ValueError("--target-device-map spreads the target over this node's devices: run one process "
                          "per node (torchrun --nproc-per-node 1)")
@@ -178,6 +218,21 @@ def spread_kwargs(opts, drafter_device: str | None = None) -> dict:
     if getattr(opts, "offload_folder", None):
         kw["offload_folder"] = opts.offload_folder
     return kw
+
+
+def parse_device_map(spec: str) -> str | dict:
+    """--target-device-map: a name of SPREAD_NAMES, or a JSON object (inline or a file) of module -> device."""
+    if spec in SPREAD_NAMES:
+        return spec
+    text = spec if spec.lstrip().startswith("{") else Path(spec).read_text() if Path(spec).is_file() else spec
+    try:
+        device_map = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--target-device-map must be one of {', '.join(SPREAD_NAMES)} or a JSON object of "
+                         f"module -> device (inline or a file): {e}") from None
+    if not isinstance(device_map, dict):
+        raise ValueError("--target-device-map JSON must be an object of module -> device")
+    return device_map
 
 
 @dataclass
@@ -202,7 +257,7 @@ def random_target_tokenizer():
     if where:
         return load_tokenizer(Path(where))
     cached = cache_dir() / EMBEDDED["smollm2"][2]
-    if (cached / "tokenizer.json").exists():
+    if _cached(cached):
         return load_tokenizer(cached)
     return load_tokenizer(resolve_target("smollm2")[0])
 
@@ -231,8 +286,14 @@ def target_num_layers(name_or_path: str | os.PathLike) -> int:
 
 
 def tokenizer_hash(tokenizer) -> str:
+    """The tokenizer's identity stored in a drafter's config: its (token, id) pairs in id order, hashed."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def tokens_hash(tokens: list[str]) -> str:
+    """`tokenizer_hash` of a vocabulary given as its tokens in id order (a GGUF's tokenizer.ggml.tokens)."""
+    return hashlib.sha256(json.dumps([[t, i] for i, t in enumerate(tokens)]).encode()).hexdigest()[:16]
 
 
 _RESERVED = re.compile(r"reserved|unused|<mask>|\[MASK\]", re.IGNORECASE)

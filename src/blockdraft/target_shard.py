@@ -173,7 +173,7 @@ def load_sharded(local, *, dtype: torch.dtype, device: str, build=None):
         if build is not None:
             model = build(device if dist.get_rank() == 0 else "meta")
         elif dist.get_rank() == 0:
-            model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, device_map={"": "cpu"})
+            model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, device_map={"": "cpu"}, use_safetensors=True)
         else:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(local), dtype=dtype)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.target_files import target_gguf
 from conftest import tiny_target
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def values(path):
@@ -132,11 +136,14 @@ def test_gguf_writes_what_llamacpp_computes_the_same(kw, causal):
     assert fmt.causal_flag(cfg) is causal
 
 
-def fake_target_gguf(path, *, hidden: int, layers: int, vocab: int):
+def fake_target_gguf(path, *, hidden: int, layers: int, vocab: int, swap: bool = False):
     w = GGUFWriter(str(path), "llama")
     w.add_uint32("llama.embedding_length", hidden)
     w.add_uint32("llama.block_count", layers)
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)])
+    tokens = [f"t{i}" for i in range(vocab)]
+    if swap:  # another tokenizer of the same size: two ids exchanged
+        tokens[1], tokens[2] = tokens[2], tokens[1]
+    w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_tensor("token_embd.weight", np.arange(vocab * hidden, dtype=np.float32).reshape(vocab, hidden))
     w.write_header_to_file()
@@ -168,3 +175,144 @@ def test_gguf_export_refuses_a_mismatch_and_another_target(tmp_path):
     with pytest.raises(ValueError, match="is a directory"):
         export_gguf(d, tmp_path, target_gguf=good, allow_mismatch=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "o.gguf", "t.gguf"]  # no partial files
+
+
+def recorded_need(monkeypatch) -> list:
+    """The bytes the GGUF writer's free-space check asks for (the check itself still runs)."""
+    import blockdraft.atomic as atomic
+
+    seen, real = [], atomic.check_free_space
+    monkeypatch.setattr(atomic, "check_free_space", lambda p, need, what: seen.append(need) or real(p, need, what))
+    return seen
+
+
+def test_gguf_size_is_known_before_writing_exactly(tmp_path, monkeypatch):
+    """The free-space check asks for the bytes the file will have: tensors as written, metadata and
+    the target's tokenizer arrays (here most of a tiny drafter's file)."""
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=16))
+    d.set_draft_vocab(torch.arange(0, 32, 2))
+    H, n, V = d.config.target_hidden_size, d.config.target_num_layers, d.config.vocab_size
+    good = fake_target_gguf(tmp_path / "t.gguf", hidden=H, layers=n, vocab=V)
+    need = recorded_need(monkeypatch)
+    path, _ = export_gguf(d, tmp_path / "d.gguf", target_gguf=good)
+    assert need == [path.stat().st_size]
+
+
+def test_gguf_size_of_the_shipped_drafter_with_the_real_tokenizer(tmp_path, monkeypatch, smollm2_dir):
+    need = recorded_need(monkeypatch)
+    path, _ = export_gguf(load_drafter("default", dtype=torch.bfloat16), tmp_path / "d.gguf")
+    assert abs(need[0] - path.stat().st_size) <= 0.01 * path.stat().st_size, (need, path.stat().st_size)
+
+
+def test_gguf_refuses_out_of_range_values_in_one_line(tmp_path):
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, max_position_embeddings=2**33))
+    H, n, V = d.config.target_hidden_size, d.config.target_num_layers, d.config.vocab_size
+    good = fake_target_gguf(tmp_path / "t.gguf", hidden=H, layers=n, vocab=V)
+    with pytest.raises(ValueError, match=r"dflash.context_length = 8589934592 does not fit its type UINT32"):
+        export_gguf(d, tmp_path / "d.gguf", target_gguf=good)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.gguf"]
+
+
+def test_gguf_refuses_a_target_with_another_tokenizer_of_the_same_shape(tmp_path):
+    """The drafter's stored tokenizer hash (target_files.tokenizer_hash: the (token, id) pairs) against
+    the target GGUF's tokens: the same count, hidden size and depth is not the same tokenizer."""
+    from blockdraft.target_files import tokens_hash
+
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    H, n, V = d.config.target_hidden_size, d.config.target_num_layers, d.config.vocab_size
+    d.config.tokenizer_hash = tokens_hash([f"t{i}" for i in range(V)])
+    good = fake_target_gguf(tmp_path / "t.gguf", hidden=H, layers=n, vocab=V)
+    assert export_gguf(d, tmp_path / "d.gguf", target_gguf=good)[0].exists()
+    other = fake_target_gguf(tmp_path / "o.gguf", hidden=H, layers=n, vocab=V, swap=True)
+    with pytest.raises(ValueError, match="another tokenizer than the drafter was trained with"):
+        export_gguf(d, tmp_path / "e.gguf", target_gguf=other)
+    assert not (tmp_path / "e.gguf").exists()
+
+
+def test_the_tokenizer_hash_of_a_gguf_is_the_one_of_its_transformers_tokenizer(smollm2_tokenizer):
+    from blockdraft.target_files import tokenizer_hash, tokens_hash
+
+    r, _ = values(target_gguf("smollm2"))
+    assert tokens_hash(r.fields["tokenizer.ggml.tokens"].contents()) == tokenizer_hash(smollm2_tokenizer)
+
+
+def tiny_gguf_case(tmp_path):
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    c = d.config
+    return d, fake_target_gguf(tmp_path / "t.gguf", hidden=c.target_hidden_size, layers=c.target_num_layers,
+                               vocab=c.vocab_size)
+
+
+def test_gguf_export_never_replaces_a_file_it_did_not_write(tmp_path):
+    d, target = tiny_gguf_case(tmp_path)
+    theirs = tmp_path / "theirs.gguf"
+    theirs.write_bytes(b"a user's file")
+    (tmp_path / "link.gguf").symlink_to(theirs)
+    for dst, says in ((theirs, "not written by blockdraft convert"), (target, "not written by blockdraft convert"),
+                      (tmp_path / "link.gguf", "link")):
+        before = dst.read_bytes()
+        with pytest.raises(ValueError, match=says if dst.is_symlink() else "--overwrite"):
+            export_gguf(d, dst, target_gguf=target, allow_mismatch=True)
+        with pytest.raises(ValueError, match=says):
+            export_gguf(d, dst, target_gguf=target, allow_mismatch=True, overwrite=True)
+        assert dst.read_bytes() == before
+    ours = tmp_path / "d.gguf"
+    export_gguf(d, ours, target_gguf=target, allow_mismatch=True)
+    with pytest.raises(ValueError, match=f"{ours} exists.*--overwrite"):
+        export_gguf(d, ours, target_gguf=target, allow_mismatch=True)
+    first = ours.stat().st_mtime_ns
+    time.sleep(0.01)
+    export_gguf(d, ours, target_gguf=target, allow_mismatch=True, overwrite=True)  # its own file, asked to
+    assert ours.stat().st_mtime_ns != first and values(ours)[1]["dflash.block_size"] == 4
+
+
+def test_convert_to_gguf_refuses_an_existing_destination(shipped, capsys):
+    from blockdraft.cli import main
+
+    before = shipped.read_bytes()
+    assert main(["convert", "--to", "gguf", "default", str(shipped)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{shipped} exists" in err and "--overwrite" in err
+    assert shipped.read_bytes() == before
+
+
+KILLED_GGUF = """
+import os, signal, sys
+from gguf import GGUFWriter
+from blockdraft.checkpoint import load_drafter
+from blockdraft.checkpoint.native import export_gguf
+def dying(self, *a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+GGUFWriter.write_tensors_to_file = dying
+export_gguf(load_drafter(sys.argv[1]), sys.argv[2], target_gguf=sys.argv[3], allow_mismatch=True)
+"""
+
+
+def test_a_killed_gguf_export_leaves_what_the_next_one_removes_and_nothing_else(tmp_path):
+    import os
+    import signal
+
+    from blockdraft.checkpoint import save_drafter
+    from blockdraft.locks import host
+
+    d, target = tiny_gguf_case(tmp_path)
+    src, dst = save_drafter(d, tmp_path / "src"), tmp_path / "d.gguf"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-c", KILLED_GGUF, str(src), str(dst), str(target)], env=env)
+    assert p.wait() == -signal.SIGKILL
+    left = tmp_path / f".d.gguf.blockdraft-tmp-{host()}-{p.pid}"
+    assert left.exists() and not dst.exists()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    busy, users = tmp_path / f".d.gguf.blockdraft-tmp-{host()}-{alive.pid}", tmp_path / ".d.gguf.tmp-123"
+    try:
+        busy.write_bytes(b"another export at work")
+        users.write_bytes(b"a user's")
+        export_gguf(d, dst, target_gguf=target, allow_mismatch=True)
+        assert dst.exists() and not left.exists() and busy.exists() and users.exists()
+    finally:
+        alive.kill()
+        alive.wait()

@@ -193,3 +193,39 @@ def test_a_bundle_holds_the_answers_to_the_prompt_set_only_in_one_order(tmp_path
     assert sorted(c[0]["content"] for c in convs) == sorted(m[0]["content"] for _, m in prompts)
     with pytest.raises(ValueError, match="1 of 4 prompts have no answer"):
         bundle_answers(two, tmp_path / "x.jsonl.gz", prompts + [("new", user("Name a river."))])
+
+
+def test_a_full_disk_is_found_before_the_first_answer(tmp_path, tok, monkeypatch):
+    """The space the answers take (each record as written, an answer of max_new_tokens tokens of the
+    vocabulary's mean size) is checked before the target runs; the estimate is above what is written."""
+    import shutil
+
+    from blockdraft.data.regenerate import answers_bytes, prompt_messages
+
+    target = tiny_pair(tok)
+    prompts = [(i, user(f"Name {i} birds.")) for i in range(4)]
+    todo = [(pid, prompt_hash(prompt_messages(m)), prompt_messages(m)) for pid, m in prompts]
+    need = answers_bytes(tok, todo, 6)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    monkeypatch.setattr(target.model, "generate", lambda *a, **k: pytest.fail("the target ran"))
+    with pytest.raises(ValueError, match="not enough disk space for the answers to 4 prompts"):
+        regenerate(target, prompts, tmp_path / "a.jsonl", max_new_tokens=6, progress=False)
+    assert not (tmp_path / "a.jsonl").exists() or (tmp_path / "a.jsonl").stat().st_size == 0
+    monkeypatch.undo()
+    regenerate(target, prompts, tmp_path / "b.jsonl", max_new_tokens=6, progress=False)
+    assert (tmp_path / "b.jsonl").stat().st_size <= need
+
+
+def test_write_prompts_checks_its_bytes_first(tmp_path, monkeypatch):
+    import shutil
+
+    recs = [{"id": f"p{i}", "messages": user(f"Say {i}.")} for i in range(3)]
+    size = len("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=size - 1))
+    with pytest.raises(ValueError, match="not enough disk space for the 3 records"):
+        write_prompts(recs, tmp_path / "p.jsonl")
+    assert not (tmp_path / "p.jsonl").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=size))
+    assert write_prompts(recs, tmp_path / "p.jsonl").stat().st_size == size

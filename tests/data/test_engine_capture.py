@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from blockdraft.data.features import DiskFeatures, extract
 from blockdraft.engines.vllm_capture import EngineOutputs, capture_ids, engine_kwargs, segment_name, segments
+from blockdraft.ownership import claim
 from blockdraft.target import final_norm_of
 from conftest import tiny_rows, tiny_target
 
@@ -75,7 +76,8 @@ def test_a_cache_from_engine_files_equals_the_transformers_cache(tmp_path, arch)
     rows = tiny_rows(5)
     extract(t, rows, tmp_path / "hf", shard_rows=2, progress=False)
     ids = capture_ids(t.layer_ids, t.num_layers)
-    engine_files(t, rows, tmp_path / "eng" / "engine-states", ids)
+    with claim(tmp_path / "eng", "extract"):  # what `extract --engine vllm` holds while the engine writes
+        engine_files(t, rows, tmp_path / "eng" / "engine-states", ids)
     outputs = EngineOutputs(t, rows, tmp_path / "eng" / "engine-states", final_norm_of(t.model))
     assert outputs.missing(torch.arange(5)) == []
     extract(t, rows, tmp_path / "eng", shard_rows=2, progress=False, outputs=outputs, identity={"engine": "vllm"})

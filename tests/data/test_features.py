@@ -192,3 +192,26 @@ def test_the_default_shard_holds_about_a_gibibyte():
     assert row_bytes(t, 1024, torch.bfloat16) == 1024 * (4 * 32 * 2 + 8)
     assert auto_shard_rows(t, 1024, torch.float32) == 64  # small rows: the cap
     assert auto_shard_rows(t, 1024, torch.float32, budget=10 * row_bytes(t, 1024, torch.float32)) == 10
+
+
+def test_extract_checks_the_bytes_its_shards_take_before_the_first(tmp_path, monkeypatch):
+    """The feature cache's size, computed as the writer writes it (rows, features, final states and
+    argmax per shard, safetensors headers), is checked before the first shard: a disk one byte short
+    is refused with nothing written, and the estimate is the bytes written."""
+    import shutil
+
+    import blockdraft.data.features as features
+
+    t = tiny_target("llama")
+    rows = tiny_rows(5)
+    seen, check = [], features.check_free_space
+    monkeypatch.setattr(features, "check_free_space", lambda p, need, what: seen.append(need) or check(p, need, what))
+    out = extract(t, rows, tmp_path / "c", shard_rows=2, dtype=torch.float32, progress=False)
+    written = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
+    assert abs(seen[0] - written) <= 0.01 * written, (seen, written)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=written - 1))
+    with pytest.raises(ValueError, match="not enough disk space for the feature cache"):
+        extract(t, rows, tmp_path / "d", shard_rows=2, dtype=torch.float32,
+                progress=False)
+    assert not list((tmp_path / "d").glob("shard-*"))

@@ -68,8 +68,10 @@ def test_atomic_dir_survives_a_crash_at_any_point(tmp_path):
     with pytest.raises(RuntimeError):
         atomic_dir(target, crash)
     assert (target / "x").read_text() == "old"
-    # killed between the two renames: only `.old` is left, and it is taken back
-    target.rename(target.with_name("ckpt.old"))
+    # killed between the two renames: only the swapped-out directory is left, and it is taken back
+    from blockdraft.ownership import temp_path
+
+    target.rename(temp_path(target, "old"))
     assert recover_dir(target) == target and (target / "x").read_text() == "old"
 
 

@@ -27,7 +27,20 @@ def _file(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / rel
 
 
+def check_sets(text: str) -> str:
+    """`bench --sets`: comma-separated names of SETS, at least one, else a ValueError naming them."""
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    unknown = [s for s in names if s not in SETS]
+    if not names or unknown:
+        raise ValueError(f"{'unknown prompt sets ' + ', '.join(unknown) if unknown else 'no prompt set named'}; "
+                         f"choose from {', '.join(SETS)}")
+    return text
+
+
 def load_prompt_set(name: str, n: int | None = None) -> list[list[dict]]:
+    """The first `n` prompts of a set (None: all of them; a count below 1 is refused, never sliced)."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"the number of prompts per set must be >= 1 (or all), got {n!r}")
     path = _file(name)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:

@@ -17,7 +17,7 @@ from ..generate.baseline import target_greedy
 from ..generate.speculative import speculative_generate
 from ..target import stop_token_ids
 from ..data.chat import encode_prompt as encode
-from .prompts import load_prompt_set
+from .prompts import check_sets, load_prompt_set
 
 
 @torch.no_grad()
@@ -102,6 +102,7 @@ def plot_hist(results: list[dict], path) -> None:
 def run_bench(target, drafter, sets: list[str], n: int, *, max_new_tokens: int = 256, block_size=None,
               json_path=None, plot_path=None, progress: bool = True, draft_threshold: float = 0.0,
               lookup: int = 0) -> list[dict]:
+    check_sets(",".join(sets))  # an empty list would print an empty table and pass
     results = [bench_set(target, drafter, s, n, max_new_tokens=max_new_tokens, block_size=block_size,
                          progress=progress, draft_threshold=draft_threshold, lookup=lookup) for s in sets]
     if json_path:

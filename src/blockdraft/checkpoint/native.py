@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir
+from ..finite import require_finite
 from ..model import DFlashDrafter
 from . import formats
 from .formats import Difference, Export
@@ -32,20 +33,24 @@ def _state(drafter: DFlashDrafter, dtype: torch.dtype | None) -> dict:
             for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
 
 
-def _write(directory, config: dict, sd: dict) -> Path:
+def _write(directory, config: dict, sd: dict, owner: str) -> Path:
+    require_finite(sd, f"the drafter to write in {directory}", "nothing was written; retrain it or resume from an "
+                   "earlier checkpoint with a lower --lr")  # a NaN drafter drafts nothing
+
     def write(tmp: Path) -> None:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "blockdraft"})
 
     need = sum(v.numel() * v.element_size() for v in sd.values()) + 2**20
-    return atomic_dir(directory, write, owned=OWNED, need_bytes=need)
+    return atomic_dir(directory, write, owned=OWNED, need_bytes=need, owner=owner)
 
 
-def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                 owner: str = "save_drafter") -> Path:
     """Write config.json (z-lab layout) + model.safetensors (weights cast to `dtype` if given; ids stay
-    integers). A directory holding other files is refused, never overwritten."""
+    integers). Only a directory `owner` wrote (its marker) is replaced; any other is refused."""
     cfg = formats.get(formats.NATIVE).write_config(drafter.config, Export())
-    return _write(directory, cfg, _state(drafter, dtype))
+    return _write(directory, cfg, _state(drafter, dtype), owner)
 
 
 def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
@@ -65,7 +70,15 @@ def read_config(path: Path, num_target_layers: int | None = None):
         raw = json.loads((path / CONFIG).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / CONFIG} is not valid JSON ({e}); re-export or re-train the drafter") from None
-    return raw, formats.config_from_json(raw, num_target_layers)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path / CONFIG} must be a JSON object (a drafter config), not a {type(raw).__name__}")
+    try:
+        return raw, formats.config_from_json(raw, num_target_layers)
+    except ValueError as e:
+        raise ValueError(f"{path / CONFIG}: {e}") from None
+    except (TypeError, KeyError, AttributeError, IndexError) as e:  # a field of the wrong shape, deep inside
+        raise ValueError(f"{path / CONFIG} is not a drafter config blockdraft can read "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def read_weights(path: Path) -> dict:
@@ -138,14 +151,15 @@ def export_drafter(drafter: DFlashDrafter, dst: str | os.PathLike, to: str, *, v
         else None
     ex = Export(verifier=verifier, head_rows=rows)
     out = fmt.write_config(cfg, ex)
-    return _write(dst, out, fmt.write_weights(sd, cfg, ex)), found
+    return _write(dst, out, fmt.write_weights(sd, cfg, ex), "convert"), found
 
 
 def export_gguf(drafter: DFlashDrafter, dst: str | os.PathLike, *, target_gguf: str | os.PathLike | None = None,
-                allow_mismatch: bool = False) -> tuple[Path, list[Difference]]:
+                allow_mismatch: bool = False, overwrite: bool = False) -> tuple[Path, list[Difference]]:
     """Write `drafter` as llama.cpp's DFlash GGUF file; `target_gguf` is the target file llama-server
     loads (default: the embedded target's own GGUF). Refused where llama.cpp would compute another
-    function, unless `allow_mismatch`."""
+    function, unless `allow_mismatch`; an existing `dst` is refused unless `overwrite` and a
+    `blockdraft convert` wrote it."""
     from ..target_files import target_gguf as find_target_gguf
     from .formats import gguf
 
@@ -158,13 +172,17 @@ def export_gguf(drafter: DFlashDrafter, dst: str | os.PathLike, *, target_gguf: 
     if target_gguf is None:
         raise ValueError(f"the GGUF export copies the tokenizer from the target's GGUF (the file llama-server "
                          f"loads); pass --target-gguf FILE (the drafter was trained for {cfg.target_name!r})")
-    return gguf.write(_state(drafter, None), cfg, dst, target_gguf), found
+    return gguf.write(_state(drafter, None), cfg, dst, target_gguf, overwrite=overwrite), found
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
             allow_mismatch: bool = False, num_target_layers: int | None = None,
-            target_gguf: str | os.PathLike | None = None) -> tuple[Path, list[Difference]]:
-    """Rewrite a drafter directory in another format; the trained tensors are copied bit for bit."""
+            target_gguf: str | os.PathLike | None = None, overwrite: bool = False) -> tuple[Path, list[Difference]]:
+    """Rewrite a drafter directory in another format; the trained tensors are copied bit for bit.
+    One writer of `dst` at a time (`locks`); a directory is replaced only where convert wrote it,
+    a GGUF file only with `overwrite` (and where convert wrote it)."""
+    from ..locks import locked
+
     path = resolve_drafter(src)
     if Path(dst).resolve() == path.resolve():
         raise ValueError("the destination is the source directory; choose a new directory")
@@ -173,6 +191,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier
     raw, _ = read_config(path, num_target_layers)
     if drafter.config.target_name is None and formats.detect(raw) == "speculators":
         drafter.config.target_name = raw["speculators_config"]["verifier"]["name_or_path"]
-    if to == formats.GGUF:
-        return export_gguf(drafter, dst, target_gguf=target_gguf, allow_mismatch=allow_mismatch)
-    return export_drafter(drafter, dst, to, verifier=verifier, allow_mismatch=allow_mismatch)
+    with locked(dst, "convert", lead=True):
+        if to == formats.GGUF:
+            return export_gguf(drafter, dst, target_gguf=target_gguf, allow_mismatch=allow_mismatch,
+                               overwrite=overwrite)
+        return export_drafter(drafter, dst, to, verifier=verifier, allow_mismatch=allow_mismatch)

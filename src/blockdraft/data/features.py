@@ -9,7 +9,8 @@ two), and the target's full-vocabulary argmax [L], so that a drafter with a draf
 runs the head on its draft rows only. A disk cache carries a manifest (target name, layer
 ids, tokenizer hash, dtype, row length, shard layout, a hash of the rows); a cache made for
 another target, tokenizer, layer ids or data is refused. Shards are written atomically; a
-restart skips the finished ones.
+restart skips the finished ones and removes the temporaries a killed run left. Only a directory
+that is new, empty or carries extract's marker is written (ownership).
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..atomic import check_free_space
+from ..finite import require_finite
+from ..ownership import MARKER as OWNER_MARKER
+from ..ownership import check_owned, is_temp, open_private, read_marker, remove_leftovers_in, temp_path, write_marker
+
 MANIFEST = "manifest.json"
 ENGINE_STATES = "engine-states"  # an engine's captured states, waiting to become shards (extract --engine vllm)
 ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
+OWNER = "extract"  # the command whose marker a cache directory carries (ownership)
 
 
 @dataclass
@@ -111,6 +118,22 @@ def row_bytes(target, L: int, dtype: torch.dtype) -> int:
     return L * ((len(target.layer_ids) + 1) * target.hidden_size * torch.finfo(dtype).bits // 8 + 8)
 
 
+def shard_bytes(rows: dict, n: int, width: int, hidden: int, dtype: torch.dtype) -> int:
+    """The size of a shard file of `n` rows as `extract` writes it (safetensors: an 8-byte length, the
+    JSON header padded to 8 bytes, the tensors): the rows' own tensors, features [n, L, width] and
+    final states [n, L, hidden] in `dtype`, the argmax [n, L] int64."""
+    L = rows["input_ids"].shape[1]
+    item = torch.empty(0, dtype=dtype).element_size()
+    parts = {k: (rows[k].element_size(), [n, L]) for k in ROW_KEYS}
+    parts.update(features=(item, [n, L, width]), final_hidden=(item, [n, L, hidden]), top=(8, [n, L]))
+    header, offset = {}, 0
+    for name, (size, shape) in sorted(parts.items()):
+        end = offset + size * shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, end]}
+        offset = end
+    return 8 + (len(json.dumps(header, separators=(",", ":"))) + 7) // 8 * 8 + offset
+
+
 def auto_shard_rows(target, L: int, dtype: torch.dtype, budget: int = 2**30) -> int:
     """Rows per shard file: about `budget` bytes of outputs (held in host RAM while the shard is
     made), 1 to 64 rows."""
@@ -129,7 +152,12 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     from tqdm.auto import tqdm
 
     out = Path(out)
+    if rank == 0:  # a new or empty directory, or a cache extract wrote (its marker); never another
+        check_owned(out, OWNER)
     out.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and read_marker(out) is None:
+        write_marker(out, OWNER)
+    remove_leftovers_in(out)  # shards and manifests a killed extract (this host) left half-written
     R, L = rows["input_ids"].shape
     dtype = dtype or target.dtype
     rows_per_forward = max(1, batch_tokens // L)
@@ -147,6 +175,10 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         raise ValueError(f"{out} is not empty and holds no feature cache; use a new directory")
     n_shards = (R + shard_rows - 1) // shard_rows
     manifest = dict(ident, shards=[f"shard-{k:05d}.safetensors" for k in range(n_shards)])
+    todo = [min(R, (k + 1) * shard_rows) - k * shard_rows for k in range(n_shards)
+            if not (out / manifest["shards"][k]).exists()]  # every rank's: the ranks share the disk
+    check_free_space(out, sum(shard_bytes(rows, n, len(target.layer_ids) * target.hidden_size, target.hidden_size,
+                                          dtype) for n in todo), "the feature cache")
     if rank == 0:
         _write_json(mpath, manifest)
     mine = [k for k in range(n_shards) if k % world == rank]
@@ -160,7 +192,10 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         tensors.update(features=got.features.to(dtype).contiguous(), final_hidden=got.final_hidden.to(dtype).contiguous(),
                        top=got.top.contiguous())
         del got
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        require_finite({n: tensors[n] for n in ("features", "final_hidden")},
+                       f"the target's outputs for shard {k} (rows {int(idx[0])}-{int(idx[-1])})",
+                       "nothing of the shard was written; extract in float32 (--dtype float32 --target-dtype float32)")
+        tmp = temp_path(path)
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
         if hasattr(outputs, "done"):
@@ -172,7 +207,8 @@ def holds_other_files(out: Path) -> bool:
     """Whether a directory with no manifest holds files that are no part of a cache being made
     (other ranks' shards, or an engine's captured states, may be there)."""
     return Path(out).exists() and not (Path(out) / MANIFEST).exists() and any(
-        not p.name.startswith(("shard-", MANIFEST, ENGINE_STATES)) for p in Path(out).iterdir())
+        not (p.name.startswith(("shard-", MANIFEST, ENGINE_STATES, OWNER_MARKER)) or is_temp(p.name))
+        for p in Path(out).iterdir())
 
 
 def damaged(path: str, e: Exception) -> ValueError:
@@ -181,10 +217,11 @@ def damaged(path: str, e: Exception) -> ValueError:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    # the temporary keeps the manifest's name as its prefix: a peer rank that looks at the
-    # directory meanwhile must see a cache being made, not "other files" (holds_other_files)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
+    # a peer rank that looks at the directory meanwhile must see a cache being made, not "other
+    # files" (holds_other_files knows the temporaries' names)
+    tmp = temp_path(path)
+    with open_private(tmp, "x") as f:
+        f.write(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 
 
@@ -255,6 +292,9 @@ class DiskFeatures:
                     tops.append(fh.get_slice("top")[j:j + 1])
             except Exception as e:  # safetensors raises several kinds on a cut file
                 raise damaged(self._paths[k], e) from None
+            require_finite({"features": feats[-1], "final_hidden": finals[-1]},
+                           f"feature cache shard {self._paths[k]}, row {j}", "delete the shard and rerun `blockdraft "
+                           "extract` with the same arguments (in float32 if the target overflowed)")
         top = torch.cat(tops) if len(tops) == len(feats) else None
         return StoredOutputs(torch.cat(feats), torch.cat(finals), top)
 

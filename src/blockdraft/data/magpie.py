@@ -84,7 +84,10 @@ def evaluation_texts() -> list[str]:
     return [m["content"] for name in SETS for p in load_prompt_set(name) for m in p]
 
 
-def sample_user_turns(generate, tokenizer, n: int, *, max_tokens: int = 160, temperature: float = 1.0,
+MAX_TOKENS = 160  # the longest user turn sampled, in tokens
+
+
+def sample_user_turns(generate, tokenizer, n: int, *, max_tokens: int = MAX_TOKENS, temperature: float = 1.0,
                       top_p: float = 0.98, seed: int = 0, keep=None, progress: bool = False) -> list[str]:
     """`n` raw user turns sampled from the template's user prefix. `generate(prompt_ids, n, max_tokens,
     temperature, top_p, seed)` yields (ids, finished) per sample; unfinished ones are dropped.

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..options import opt
+from ..options import existing, opt
 
 from .chat import render
 from .packing import pack
@@ -75,20 +75,23 @@ def default_data_file() -> Path:
 class DataOptions:
     """Which conversations a run trains and evaluates on, and how they are packed."""
 
-    data: str = opt("default", "conversations (JSONL, JSONL.gz, JSON, parquet) or 'default' (the bundled set)")
-    eval_data: str | None = opt(None, "held-out conversations (default: a split of --data)")
-    max_length: int = opt(1024, "packed row length in tokens")
+    data: str = opt("default", "conversations (JSONL, JSONL.gz, JSON, parquet) or 'default' (the bundled set)",
+                    check=existing(names=("default",)))
+    eval_data: str | None = opt(None, "held-out conversations (default: a split of --data)",
+                                check=existing(names=("default",)))
+    max_length: int = opt(1024, "packed row length in tokens", min=2)
     max_rows: int = opt(128, "train on at most this many packed rows (0: all; held-out rows are bounded to an "
                              "eighth of it); the default keeps a 2-core CPU run under 15 minutes")
-    eval_fraction: float = opt(0.05, "share of the conversations held out, chosen by a hash of each one")
+    eval_fraction: float = opt(0.05, "share of the conversations held out, chosen by a hash of each one", below=1)
     max_eval_rows: int = opt(256, "evaluate on at most this many held-out packed rows (0: all); every rank "
                                   "evaluates its share of them")
     skip_bad_lines: bool = opt(False, "skip and count malformed records instead of stopping at the first")
     features_cache: str | None = opt(None, "train from `blockdraft extract` shards instead of running the target",
-                                     metavar="DIR")
+                                     metavar="DIR", check=existing("dir"))
     eval_features_cache: str | None = opt(None, "with --features-cache: evaluate on this cache's rows (`blockdraft "
                                                 "extract` of the held-out conversations) and train on every row of "
-                                                "--features-cache (default: a split of its rows)", metavar="DIR")
+                                                "--features-cache (default: a split of its rows)", metavar="DIR",
+                                        check=existing("dir"))
     memo_features: str = opt("auto", "keep the target's outputs in memory after the first epoch (auto: if "
                                      "under 4 GiB)", choices=("auto", "on", "off"))
 

@@ -39,10 +39,16 @@ def read_prompts(path: str | os.PathLike = DEFAULT_PROMPTS) -> list[tuple[str, l
 
 def write_prompts(records: list[dict], out: str | os.PathLike) -> Path:
     """Write records atomically (gzip for .gz, with a fixed timestamp so rebuilding gives the same bytes)."""
+    from ..ownership import remove_leftovers, temp_path
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    remove_leftovers(out)  # what a killed write left (never a file of another name)
+    tmp = temp_path(out)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    from ..atomic import check_free_space
+
+    check_free_space(out.parent, len(text), f"the {len(records)} records")  # gzip writes fewer: a bound
     if out.suffix == ".gz":
         with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
             f.write(text)
@@ -112,6 +118,13 @@ def magpie_samples(target_name: str, n: int, engine: str, seed: int, samples_pat
     if len(have) >= n:
         return have[:n]
     generate, tok = magpie_generator(engine, target_name)
+    if samples_path is not None:  # each sample a line of at most MAX_TOKENS tokens, before the first is drawn
+        from ..atomic import check_free_space
+        from .magpie import MAX_TOKENS
+        from .regenerate import token_bytes
+
+        line = len(json.dumps({"text": ""})) + 1 + MAX_TOKENS * token_bytes(tok)
+        check_free_space(samples_path.parent, int((n - len(have)) * line), f"{n - len(have)} Magpie samples")
 
     def save(text: str) -> None:
         if samples_path is not None:

@@ -70,6 +70,22 @@ def _append(out: Path, records: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
+def token_bytes(tokenizer) -> float:
+    """The bytes per token an answer not yet written is given: twice the mean a token of this
+    vocabulary takes in a JSON string (decoded, escaped). Text averages below the mean (long tokens
+    are rare); even a random model's uniform picks stay under twice it."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return 2 * sum(len(json.dumps(t, ensure_ascii=False).encode()) - 2 for t in texts) / max(1, len(texts))
+
+
+def answers_bytes(tokenizer, todo: list[tuple], max_new_tokens: int) -> int:
+    """What `_append` will write for `todo` ((id, hash, messages) each): every record as it writes it,
+    with an answer of `max_new_tokens` tokens of `token_bytes`."""
+    answer = int(max_new_tokens * token_bytes(tokenizer)) + 1
+    return sum(len(json.dumps({"id": pid, "hash": h, "messages": msgs + [{"role": "assistant", "content": ""}]},
+                              ensure_ascii=False).encode()) + answer for pid, h, msgs in todo)
+
+
 def _until_stop(row: list[int], stop: list[int]) -> list[int]:
     for i, t in enumerate(row):
         if t in stop:
@@ -95,13 +111,23 @@ def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.P
                max_new_tokens: int = 256, batch_size: int = 8, engine: str = "transformers",
                progress: bool = True, engine_options: dict | None = None) -> dict:
     """prompts: (id, messages) pairs. Greedy answers appended to `out`; returns counts. `target` is a
-    TargetModel (transformers engine) or, for vLLM, `target.TargetFiles` (tokenizer and directory)."""
-    from tqdm.auto import tqdm
+    TargetModel (transformers engine) or, for vLLM, `target.TargetFiles` (tokenizer and directory).
+    One regenerate writes `out` at a time: a second is refused, naming the first (`locks`)."""
+    from ..locks import locked
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with locked(out, "regenerate", lead=True):
+        return _answer(target, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size, engine=engine,
+                       progress=progress, engine_options=engine_options)
+
+
+def _answer(target, prompts: list[tuple[object, list[dict]]], out: Path, *, max_new_tokens: int, batch_size: int,
+            engine: str, progress: bool, engine_options: dict | None) -> dict:
+    from tqdm.auto import tqdm
+
     tok = target.tokenizer
     done = done_hashes(out)
     todo, seen, skipped = [], set(), 0
@@ -115,6 +141,10 @@ def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.P
             skipped += 1
         else:
             todo.append((pid, h, msgs))
+    if todo:  # found before the first answer, not at the thousandth
+        from ..atomic import check_free_space
+
+        check_free_space(out.parent, answers_bytes(tok, todo, max_new_tokens), f"the answers to {len(todo)} prompts")
     stop = stop_token_ids(tok)
     vllm = None
     if engine == "vllm" and todo:

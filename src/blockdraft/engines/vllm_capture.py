@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -121,7 +122,8 @@ def capture(job: dict, *, replicas: int = 1, gpus_per_replica: int = 0, timeout:
         if not part:
             continue
         tmp = out_dir / f".engine-{k}"
-        tmp.mkdir(exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed engine's files (extract holds the cache's lock)
+        tmp.mkdir()
         sub = dict(job, segments=part, tmp_dir=str(tmp))
         path = out_dir / f".job-{k}.json"
         path.write_text(json.dumps(sub))

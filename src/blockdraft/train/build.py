@@ -8,25 +8,26 @@ from dataclasses import dataclass
 import torch
 
 from ..config import WINDOW_QUERY, WINDOW_RULES
-from ..options import opt
+from ..options import existing, opt
 
 
 @dataclass
 class DrafterOptions:
     """What drafter `blockdraft train` builds (the defaults are the README's main command)."""
 
-    block_size: int = opt(16, "tokens per block: the anchor and B - 1 drafted slots")
-    draft_layers: int = opt(1, "drafter decoder layers")
+    block_size: int = opt(16, "tokens per block: the anchor and B - 1 drafted slots", min=2)
+    draft_layers: int = opt(1, "drafter decoder layers", min=1)
     sliding_window: int = opt(32, "make the first --sliding-layers layers sliding-window layers of this width "
                                   "(0: full attention only)")
-    sliding_layers: int = opt(1, "how many of the drafter layers slide (from the first)")
+    sliding_layers: int = opt(1, "how many of the drafter layers slide (from the first; at most --draft-layers; "
+                                 "--sliding-window 0 for none)", min=1)
     bidirectional_sliding: bool = opt(False, "sliding layers bidirectional inside the block (else causal)")
     window_rule: str | None = opt(None, "how a sliding window is counted: from each query's own position, as "
                                         "dflash, vLLM and SGLang serve it (query), or from the anchor, as speculators "
                                         "trains; with --init-drafter the drafter keeps its own rule unless one is "
                                         "given (default: query)", choices=WINDOW_RULES)
     draft_vocab: str = opt("auto", "draft vocabulary size (most frequent training tokens), 'full', or 'auto' "
-                                   "(8192 on a CPU)")
+                                   "(8192 on a CPU)", check=lambda v: check_draft_vocab(v))
     init_from_target: bool = opt(True, "start the drafter layers from the target's top decoder layers, where a "
                                        "piece computes the same function")
     final_norm_init: str = opt("target", "drafter output norm: 0.1 (small: near-uniform first guesses) or the "
@@ -35,28 +36,53 @@ class DrafterOptions:
                                       "through with the top layer's input-norm scale",
                             choices=("random", "top-feature"))
     init_drafter: str | None = opt(None, "go on training a saved drafter (a directory or 'default') with a fresh "
-                                         "schedule; the layout options then come from it", metavar="DIR")
+                                         "schedule; the layout options then come from it", metavar="DIR",
+                                  check=existing("dir", names=("default",)))
+
+    def check(self, target_vocab: int | None = None) -> None:
+        """Settings that contradict each other (or the target's vocabulary) are refused, never clamped."""
+        if self.sliding_window and self.sliding_layers > self.draft_layers:
+            raise ValueError(f"--sliding-layers {self.sliding_layers} exceeds --draft-layers {self.draft_layers}; "
+                             "give at most as many sliding layers as layers (--sliding-window 0 for none)")
+        try:
+            size = check_draft_vocab(self.draft_vocab)
+        except ValueError as e:
+            raise ValueError(f"--draft-vocab {e}") from None
+        if target_vocab is not None and size not in ("auto", "full") and int(size) > target_vocab:
+            raise ValueError(f"--draft-vocab {size} exceeds the target's vocabulary ({target_vocab}); use a smaller "
+                             "size or --draft-vocab full")
 
     def layout(self) -> dict:
         """DrafterConfig.for_target keywords: layers, block, sliding windows and their rules."""
+        self.check()
         kw = dict(num_layers=self.draft_layers, block_size=self.block_size)
         if self.sliding_window:
-            n = min(max(1, self.sliding_layers), self.draft_layers)
+            n = self.sliding_layers
             kw.update(layer_types=["sliding_attention"] * n + ["full_attention"] * (self.draft_layers - n),
                       sliding_window=int(self.sliding_window), sliding_causal_in_block=not self.bidirectional_sliding,
                       sliding_window_rule=self.window_rule or WINDOW_QUERY)
         return kw
 
     def vocab_size(self, device: str, target_vocab: int) -> int | None:
-        v = self.draft_vocab
-        if v == "auto":
-            return 8192 if device == "cpu" else None  # on a CPU the head is most of the drafter's cost
-        if v in (None, "full", "0", 0):
-            return None
-        try:
-            return min(int(v), target_vocab)
-        except ValueError:
-            raise ValueError(f"--draft-vocab must be a number, 'full' or 'auto', got {v!r}") from None
+        self.check(target_vocab)
+        v = check_draft_vocab(self.draft_vocab)
+        if v == "auto":  # on a CPU the head is most of the drafter's cost
+            return 8192 if device == "cpu" and target_vocab > 8192 else None
+        return None if v == "full" or int(v) == 0 else int(v)
+
+
+def check_draft_vocab(v) -> str:
+    """--draft-vocab: 'auto', 'full', or a number of tokens (0: full), else a ValueError."""
+    text = str(v).strip() if v is not None else "full"
+    if text in ("auto", "full"):
+        return text
+    try:
+        size = int(text)
+    except ValueError:
+        raise ValueError(f"must be a number, 'full' or 'auto', got {v!r}") from None
+    if size < 0:
+        raise ValueError(f"must be a number of tokens >= 0 (0: full), got {size}")
+    return str(size)
 
 
 def frequent_tokens(rows: dict, vocab_size: int, size: int) -> torch.Tensor:

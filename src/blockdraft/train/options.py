@@ -12,45 +12,50 @@ from .loss import LOSSES
 @dataclass
 class TrainConfig:
     out: str = opt("runs/default", "run directory: drafter/, checkpoint/, metrics.jsonl, plots")
-    epochs: float = opt(3.0, "passes over the training rows")
-    steps: int | None = opt(None, "optimizer steps (overrides --epochs)")
-    lr: float = opt(6e-4, "peak learning rate (AdamW; warmup then cosine to a tenth)")
+    epochs: float = opt(3.0, "passes over the training rows", above=0)
+    steps: int | None = opt(None, "optimizer steps (overrides --epochs)", min=1)
+    lr: float = opt(6e-4, "peak learning rate (AdamW; warmup then cosine to a tenth)", above=0)
     warmup: float = opt(0.05, "warmup steps, or a fraction of all steps if < 1")
-    batch_tokens: int = opt(2048, "tokens per micro-batch (whole packed rows)")
-    grad_accum: int = opt(1, "micro-batches per optimizer step")
-    max_anchors: int = opt(128, "anchors (blocks) per packed row")
+    batch_tokens: int = opt(2048, "tokens per micro-batch (whole packed rows)", min=1)
+    grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
+    max_anchors: int = opt(128, "anchors (blocks) per packed row", min=1)
     loss: str = opt("kl", "kl or soft cross-entropy against the target's distribution, or hard (its argmax)",
                     choices=LOSSES)
-    gamma: float | None = opt(None, "slot weights exp(-(k-1)/gamma) (default: the paper's, 7 at block 16)")
+    gamma: float | None = opt(None, "slot weights exp(-(k-1)/gamma) (default: the paper's, 7 at block 16)", above=0)
     gamma_schedule: str = opt("acceptance", "acceptance: gamma follows the training acceptance, tau - 1/2 (at "
                                             "least 0.5, at most --gamma or the paper's), so the weight moves to the "
                                             "far slots as the drafter reaches them; fixed: --gamma throughout; "
                                             "dpace: speculators' D-PACE weights, from the drafter's own confidence "
                                             "per slot (--gamma unused)",
                               choices=("fixed", "acceptance", "dpace"))
-    dpace_alpha: float = opt(0.5, "--gamma-schedule dpace: the confidence smoothing, in (0, 1] (speculators' 0.5)")
-    eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end)")
-    save_every: int = opt(25, "checkpoint every N steps (and after the first and the last)")
+    dpace_alpha: float = opt(0.5, "--gamma-schedule dpace: the confidence smoothing, in (0, 1] (speculators' 0.5)",
+                             above=0, max=1)
+    eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end)", min=1)
+    save_every: int = opt(25, "checkpoint every N steps (and after the first and the last)", min=1)
     seed: int = opt(0, "seed of the drafter's initialisation, the data order, the anchors and the split")
     gradient_checkpointing: bool = opt(False, "recompute the drafter layers in backward (less memory)")
     fsdp: bool = opt(False, "under torchrun: shard the drafter's parameters, gradients and optimizer state over "
                             "the ranks (FSDP2) instead of replicating them")
     resume: bool = opt(False, "continue the run in --out exactly")
+    overwrite: bool = opt(False, "replace the run in --out (its drafter, checkpoint and metrics); without it or "
+                                 "--resume, a directory holding a run is refused")
     progress: bool = opt(True, "show a progress bar")
     # library-only settings (no flag)
-    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of lr", hidden=True)
+    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of lr", hidden=True, max=1)
     weight_decay: float = opt(0.01, "AdamW weight decay", hidden=True)
     grad_clip: float = opt(1.0, "gradient norm clip", hidden=True)
-    log_every: int = opt(1, "metrics.jsonl line every N steps", hidden=True)
-    eval_anchors: int = opt(256, "anchors per held-out row", hidden=True)
+    log_every: int = opt(1, "metrics.jsonl line every N steps", hidden=True, min=1)
+    eval_anchors: int = opt(256, "anchors per held-out row", hidden=True, min=1)
     backend: str = opt("auto", "attention backend", hidden=True)
     row_shards: int | None = opt(None, "fixed parts the training rows are split into, micro-batch g reading part "
                                        "g % row_shards (default: one per rank, so a rank's stored outputs hold "
-                                       "its part only)", hidden=True)
+                                       "its part only)", hidden=True, min=1)
     dist_timeout_min: float = opt(60.0, "under torchrun: minutes a collective waits for a rank working alone "
-                                        "(writing a checkpoint, compiling) before the run is stopped")
+                                        "(writing a checkpoint, compiling) before the run is stopped", above=0)
 
     def validate(self) -> None:
+        from ..options import check_fields
+
         if self.lr <= 0 or self.grad_accum < 1 or self.batch_tokens < 1 or self.max_anchors < 1:
             raise ValueError("lr, grad_accum, batch_tokens and max_anchors must be positive")
         if self.steps is not None and self.steps < 1:
@@ -65,6 +70,7 @@ class TrainConfig:
             raise ValueError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.eval_every < 1 or self.save_every < 1:
             raise ValueError("--eval-every and --save-every must be >= 1")
+        check_fields(self, environment=False)  # and every field: its type, a finite number, its bounds
 
 
 DEFAULTS = TrainConfig()

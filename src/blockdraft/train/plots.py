@@ -6,6 +6,14 @@ import json
 from pathlib import Path
 
 
+def _save(fig, path: Path) -> None:
+    """A PNG in a run directory, never written through a link there."""
+    from ..ownership import open_private
+
+    with open_private(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
+
+
 def plot_run(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Writes loss.png and slot_accuracy.png (if evaluated); returns the written paths."""
     import matplotlib
@@ -33,7 +41,7 @@ def plot_run(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     ax2.legend()
     fig.tight_layout()
     p = out_dir / "loss.png"
-    fig.savefig(p, dpi=110)
+    _save(fig, p)
     plt.close(fig)
     written.append(p)
     if ev:
@@ -43,7 +51,7 @@ def plot_run(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         ax.set(xlabel="block slot k", ylabel="accuracy", title=f"held-out per-slot accuracy (step {ev[-1]['step']})")
         fig.tight_layout()
         p = out_dir / "slot_accuracy.png"
-        fig.savefig(p, dpi=110)
+        _save(fig, p)
         plt.close(fig)
         written.append(p)
     return written

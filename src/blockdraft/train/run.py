@@ -18,10 +18,13 @@ from pathlib import Path
 import torch
 
 from ..data.pipeline import DataOptions, bound_rows, check_cache_options, conversation_rows
+from ..finite import dumps_finite
 from ..options import opt
+from ..ownership import write_text
 from ..target import TargetOptions, pick_device, spread_kwargs
 from .build import DrafterOptions, build_drafter, continue_drafter
 from .options import TrainConfig
+from .preflight import preflight
 
 CONFIG_FILE = "train_config.json"
 
@@ -42,6 +45,10 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
+        from ..options import check_fields
+
+        if not isinstance(d, dict) or not all(isinstance(v, dict) for v in d.values()):
+            raise ValueError(f"a run configuration is an object of sections {list(cls.PARTS)}, each an object")
         unknown = sorted(set(d) - set(cls.PARTS))
         if unknown:
             raise ValueError(f"unknown run configuration sections {unknown}; expected {list(cls.PARTS)}")
@@ -54,6 +61,7 @@ class RunConfig:
             if bad:
                 raise ValueError(f"unknown {name} settings {bad} in the run configuration")
             parts[name] = kind(**values)
+            check_fields(parts[name], where=f"{name}.", environment=False)  # the files it names: preflight
         return cls(**parts)
 
     @classmethod
@@ -62,15 +70,17 @@ class RunConfig:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--config {path}: cannot read a run configuration ({e})") from None
+        except ValueError as e:
+            raise ValueError(f"--config {path}: {e}") from None
 
 
 def check_resume(out: str | Path, resume: bool) -> None:
     """--resume needs a run to continue; say so before loading anything (and create nothing)."""
     from ..atomic import recover_dir
 
-    if resume and recover_dir(Path(out) / "checkpoint") is None:
+    if resume and recover_dir(Path(out) / "checkpoint", "train") is None:
         raise ValueError(f"--resume: there is no checkpoint in {out}/checkpoint to continue; drop --resume to start "
-                         "a new run there")
+                         "a new run there (with --overwrite where an earlier one is)")
 
 
 def cached_rows(opts: DataOptions, target, seed: int):
@@ -135,15 +145,34 @@ def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
 
 
 def run_training(cfg: RunConfig) -> dict:
-    from ..checkpoint.native import load_drafter
-    from .distributed import init_from_env
-    from .plots import plot_run
-    from .trainer import Trainer
+    """`blockdraft train`: the flags checked, then --out claimed before any work (train.rundir:
+    checked whole, locked, marked; a refused run creates nothing), then the run."""
+    from .rundir import claim_run
 
     tc = cfg.train
     tc.validate()
     check_cache_options(cfg.data)
     check_resume(tc.out, tc.resume)
+    preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
+    with claim_run(tc.out, resume=tc.resume, overwrite=tc.overwrite):
+        return _train(cfg, tc)
+
+
+def recorded(cfg: RunConfig) -> dict:
+    """What train_config.json records: not --overwrite, which is what one command did, not a setting
+    of the run (a replay with --config FILE must not replace the run again)."""
+    d = cfg.to_dict()
+    d["train"].pop("overwrite", None)
+    return d
+
+
+def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
+    from ..checkpoint.native import load_drafter
+    from .distributed import init_from_env
+    from .plots import plot_run
+    from .rundir import clear_run
+    from .trainer import Trainer
+
     torch.manual_seed(tc.seed)  # the same initial drafter on every rank
     rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min)
     target = load_target(cfg, device)
@@ -155,18 +184,20 @@ def run_training(cfg: RunConfig) -> dict:
     # a drafter that already computes something (loaded, or a structured init) keeps its function
     # when the trainer rescales its features
     keep = bool(cfg.drafter.init_drafter) or cfg.drafter.context_init == "top-feature"
-    trainer = Trainer(target, drafter, train_rows, eval_rows, tc, keep_function=keep, run_config=cfg.to_dict(), **feats)
+    trainer = Trainer(target, drafter, train_rows, eval_rows, tc, keep_function=keep, run_config=recorded(cfg), **feats)
     print(f"train: {train_rows['input_ids'].shape[0]} rows x {train_rows['input_ids'].shape[1]} tokens, "
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}"
           + (f", rank {rank} of {world_size}" if world_size > 1 else ""))
+    if tc.overwrite and rank == 0:  # the earlier run goes only now that this one is ready to start
+        clear_run(tc.out)
     summary = trainer.train(resume=tc.resume)
     if rank != 0:
         return summary
     out = Path(tc.out)
     plot_run(out / "metrics.jsonl", out)
     load_drafter(out / "drafter")  # the saved directory must load back
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_text(out / "summary.json", dumps_finite(summary, "the run's summary", indent=1))
     return summary
 
 
@@ -192,17 +223,19 @@ class ExtractOptions:
     engine: str = opt("transformers", "what runs the target: transformers (here, or one rank per shard set "
                       "under torchrun) or vllm (vLLM's own kernels and parallelism; needs a vLLM whose class for "
                       "the target captures hidden states)", choices=("transformers", "vllm"))
-    tensor_parallel_size: int = opt(1, "--engine vllm: GPUs per engine for tensor parallelism")
-    pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine")
+    tensor_parallel_size: int = opt(1, "--engine vllm: GPUs per engine for tensor parallelism", min=1)
+    pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine", min=1)
     data_parallel_size: int = opt(1, "--engine vllm: engine replicas, each on its own tensor x pipeline GPUs, "
-                                     "each capturing its share of the documents")
+                                     "each capturing its share of the documents", min=1)
     engine_memory: float = opt(0.9, "--engine vllm: fraction of each GPU vLLM may take (on a CPU: of its KV "
-                                    "space; 0.2 is plenty for a small target)")
+                                    "space; 0.2 is plenty for a small target)", above=0, max=1)
 
 
 def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions) -> str:
-    from ..data.features import auto_shard_rows, extract
-    from ..target import TargetModel
+    """`blockdraft extract`: --out claimed first (a new or empty directory or a cache extract wrote,
+    locked by rank 0: ownership), then the shards; every rank writes its own."""
+    from ..data.features import OWNER
+    from ..ownership import claim
     from .distributed import barrier, init_from_env
 
     if target_opts.target_fsdp:
@@ -211,8 +244,20 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
     if opts.engine == "vllm":
         if opts.target_dtype != "auto":
             raise ValueError("extract --engine vllm runs the target at --dtype; drop --target-dtype")
-        return _extract_with_vllm(target_opts, data, opts)
+        with claim(opts.out, OWNER, lead=True):
+            return _extract_with_vllm(target_opts, data, opts)
     rank, world_size, device = init_from_env(pick_device(target_opts.device))
+    with claim(opts.out, OWNER, lead=rank == 0):
+        barrier()  # the other ranks write their shards once rank 0 owns the directory
+        return _extract_with_transformers(target_opts, data, opts, rank, world_size, device)
+
+
+def _extract_with_transformers(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions, rank: int,
+                               world_size: int, device: str) -> str:
+    from ..data.features import auto_shard_rows, extract
+    from ..target import TargetModel
+    from .distributed import barrier
+
     target = TargetModel.from_pretrained(target_opts.target, layer_ids=target_opts.layer_ids,
                                          num_features=target_opts.num_features, device=device,
                                          dtype=DTYPES.get(opts.target_dtype), **spread_kwargs(target_opts))

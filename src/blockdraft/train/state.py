@@ -17,17 +17,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir, recover_dir
+from ..finite import require_finite
 
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 
 def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, drafter_state: dict | None = None,
-               optimizer_state: dict | None = None, need_bytes: int = 0) -> Path:
+               optimizer_state: dict | None = None, need_bytes: int = 0, owner: str = "train") -> Path:
     """`drafter_state`/`optimizer_state`: full states gathered from a sharded run (else taken from
-    the objects). `need_bytes`: free space checked before anything is written."""
+    the objects). `need_bytes`: free space checked before anything is written. `owner`: the
+    command whose marker the directory carries (only such a directory is replaced)."""
     sd = drafter.state_dict() if drafter_state is None else drafter_state
     tensors: dict[str, torch.Tensor] = {f"drafter.{k}": _host_copy(v) for k, v in sd.items()}
     tensors["drafter_feature_scale"] = _host_copy(drafter.feature_scale)
+    require_finite(tensors, f"the checkpoint's drafter in {directory}")  # host copies: no device read
     opt = optimizer.state_dict() if optimizer_state is None else optimizer_state
     for idx, st in opt["state"].items():
         for name, val in st.items():
@@ -41,7 +44,8 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, dra
         save_file(tensors, str(tmp / STATE_TENSORS))
         (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1))
 
-    return atomic_dir(directory, write, owned=(STATE_JSON, STATE_TENSORS), need_bytes=need_bytes)
+    return atomic_dir(directory, write, owned=(STATE_JSON, STATE_TENSORS), need_bytes=need_bytes,
+                      owner=owner)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +56,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
     """Restore into existing objects; returns the saved progress dict."""
-    path = recover_dir(directory)
+    path = recover_dir(directory, "train")
     if path is None or not (path / STATE_JSON).exists():
         raise ValueError(f"no checkpoint to resume from in {directory}")
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -17,11 +16,14 @@ import torch
 
 from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
+from ..finite import check_step
+from ..ownership import write_text
 from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
                           gradient_sync, grouped, world)
 from .cadence import Cadence, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
 from .options import TrainConfig
+from .rundir import append_metrics, truncate_metrics
 from .state import load_state, save_state
 from .step import compute_loss, plan_host
 
@@ -279,24 +281,12 @@ class Trainer:
         self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt)
         self.saved_step = self.progress["step"]
         if self.rank == 0:  # one writer (DESIGN.md section 5, rule 5); the others wait below
-            self._truncate_metrics(self.progress["step"])
+            truncate_metrics(self.out, self.progress["step"])
         barrier()
 
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop the lines of steps after the checkpoint, atomically: a reader sees the old file or
-        the new one, never a half-written one."""
-        path = self.out / "metrics.jsonl"
-        if path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            os.replace(tmp, path)
-
     def log(self, record: dict) -> None:
-        if self.rank != 0:
-            return
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.rank == 0:
+            append_metrics(self.out, record)  # never through a link (train.rundir)
 
     # ---------------------------------------------------------------------- loop
     def step(self) -> dict:
@@ -309,9 +299,10 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         agg: dict = {"loss": 0.0, "tau": 0.0, "accuracy": 0.0}
         gamma = self.gamma()
-        dev, tokens = self.target.device, 0
+        dev, tokens, rows = self.target.device, 0, []
         for micro in range(cfg.grad_accum):
             idx, cached = self.micro_batch(s, micro)
+            rows += idx.tolist()
             b = rows_batch(self.train_rows, idx)
             plan = self.host_plan(s, micro, b)
             if self.fsdp:  # reduce-scatter the gradients once, after the step's last micro-batch
@@ -328,6 +319,7 @@ class Trainer:
             average_gradients(self.drafter.parameters())
         agg = all_reduce_mean(agg)
         agg["grad_norm"] = clip_grad_norm(self.drafter.parameters(), cfg.grad_clip)
+        check_step(s + 1, agg["loss"], agg["grad_norm"], rows)  # the same on every rank (reduced): all stop
         self.opt.step()
         self.progress["step"] = s + 1
         # the training acceptance, smoothed (gamma_schedule "acceptance" follows it; saved, so resume is exact)
@@ -353,14 +345,14 @@ class Trainer:
         else:
             self.drafter.set_feature_scale(self.feature_scale(), keep_function=self.keep_function)
             if lead:
-                (self.out / "metrics.jsonl").write_text("")
+                write_text(self.out / "metrics.jsonl", "")
         # replicated and sharded training alike assume one drafter on every rank
         check_same(list(self.drafter.parameters()), "initial drafters")
         if self.fsdp:
             self._shard()
         if lead:
             saved = self.run_config or {"train": dataclasses.asdict(self.cfg)}
-            (self.out / "train_config.json").write_text(json.dumps(saved, indent=1))
+            write_text(self.out / "train_config.json", json.dumps(saved, indent=1))
         bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
                    desc="train", unit="step", dynamic_ncols=True)
         last_eval: dict = {}
@@ -393,7 +385,7 @@ class Trainer:
         final = self.plain_drafter()
         if lead:
             try:
-                save_drafter(final, self.out / "drafter")
+                save_drafter(final, self.out / "drafter", owner="train")
             except OSError as e:
                 raise ValueError(f"could not write the final drafter in {self.out / 'drafter'} ({e.strerror}); "
                                  f"the checkpoint of step {self.saved_step} is kept: free space and rerun with "

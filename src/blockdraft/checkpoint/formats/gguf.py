@@ -120,6 +120,13 @@ def check_target(reader, cfg: DrafterConfig, path: Path) -> None:
         raise ValueError(f"{path} has no tokenizer (tokenizer.ggml.tokens); llama.cpp needs the target's own")
     if len(tokens.data) != cfg.vocab_size:
         raise ValueError(f"{path} has {len(tokens.data)} tokens, the drafter's vocabulary has {cfg.vocab_size}")
+    if cfg.tokenizer_hash:  # same shape, another tokenizer: the drafts would be other tokens' ids
+        from ...target_files import tokens_hash
+
+        got = tokens_hash(tokens.contents())
+        if got != cfg.tokenizer_hash:
+            raise ValueError(f"{path} holds another tokenizer than the drafter was trained with (hash {got}, the "
+                             f"drafter's {cfg.tokenizer_hash}): pass the target's own GGUF as --target-gguf")
 
 
 def head_rows(reader, ids: torch.Tensor) -> torch.Tensor:
@@ -154,15 +161,91 @@ def _array(t: torch.Tensor, *, norm: bool):
     raise ValueError(f"cannot store a {t.dtype} tensor in the GGUF")
 
 
+OWNER_KEY = "blockdraft.owner"  # the ownership record (ownership.record) of the command that wrote the file
+
+
+def written_by(path: Path, command: str) -> bool:
+    """Whether `path` is a GGUF file whose ownership record names `command`."""
+    import json
+
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).fields.get(OWNER_KEY)
+        return field is not None and json.loads(field.contents()).get("command") == command
+    except (OSError, ValueError, KeyError, IndexError):
+        return False
+
+
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """The GGUF export writes a new file: an existing one is replaced only with `overwrite`, and only
+    when `blockdraft convert` wrote it; a link is never followed."""
+    if dst.is_symlink() or (dst.exists() and not dst.is_file()):
+        raise ValueError(f"{dst} is a link or not a file; the GGUF export writes a new .gguf file")
+    if not dst.exists():
+        return
+    if not overwrite:
+        raise ValueError(f"{dst} exists; the GGUF export writes a new file (pass --overwrite to replace one that "
+                         "blockdraft convert wrote)")
+    if not written_by(dst, "convert"):
+        raise ValueError(f"{dst} was not written by blockdraft convert and is never replaced; choose a new file")
+
+
+def _entries(cfg: DrafterConfig, reader, name: str, owner: str) -> list:
+    """The metadata the file holds, in order (gguf_file.Entry): the drafter's, then the target's tokenizer."""
+    from gguf import GGUFValueType as T
+
+    from ...target import hidden_states_index
+    from .gguf_file import Entry
+
+    a = ARCH
+    out = [Entry("general.architecture", ARCH, T.STRING), Entry("general.name", name, T.STRING),
+           Entry(OWNER_KEY, owner, T.STRING)]
+    out += [Entry(f"{a}.{key}", value, T.UINT32) for key, value in (
+        ("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+        ("block_count", cfg.num_hidden_layers), ("feed_forward_length", cfg.intermediate_size),
+        ("attention.head_count", cfg.num_attention_heads), ("attention.head_count_kv", cfg.num_key_value_heads),
+        ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
+        ("rope.dimension_count", cfg.head_dim), ("vocab_size", cfg.vocab_size), ("block_size", cfg.block_size))]
+    out += [Entry(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps, T.FLOAT32),
+            Entry(f"{a}.rope.freq_base", cfg.rope_theta, T.FLOAT32)]
+    if cfg.hidden_act != "silu":
+        out.append(Entry(f"{a}.hidden_activation", cfg.hidden_act, T.STRING))
+    out += [Entry(f"{a}.target_layers", [hidden_states_index(L) for L in cfg.target_layer_ids], T.ARRAY, T.INT32),
+            Entry(f"{a}.attention.causal", causal_flag(cfg), T.BOOL)]
+    if cfg.has_sliding:
+        out += [Entry(f"{a}.attention.sliding_window", cfg.sliding_window, T.UINT32),
+                Entry(f"{a}.attention.sliding_window_pattern", [t == SLIDING for t in cfg.layer_types], T.ARRAY,
+                      T.BOOL)]
+    for key, field in reader.fields.items():  # the target's tokenizer, as the engine loads it
+        if key.startswith("tokenizer.") and key != "tokenizer.ggml.mask_token_id":
+            vtype = field.types[0]
+            out.append(Entry(key, field.contents(), vtype, field.types[-1] if vtype == T.ARRAY else None))
+    return out + [Entry("tokenizer.ggml.mask_token_id", cfg.mask_token_id, T.UINT32)]
+
+
+def _tensors(sd: dict, cfg: DrafterConfig, reader) -> list[tuple]:
+    """(name, array, raw GGML type) of every tensor the file holds, in order; a draft vocabulary's head
+    rows are read from the target GGUF."""
+    out = [(tensor_name(k), *_array(v, norm=v.dim() == 1)) for k, v in sd.items() if k != "draft_vocab"]
+    if cfg.draft_vocab_size:
+        ids = sd["draft_vocab"].to(torch.long)
+        out.append(("output.weight", *_array(head_rows(reader, ids).to(sd["fc.weight"].dtype), norm=False)))
+        out.append(("d2t", ids.numpy().astype(np.int64), None))
+    return out
+
+
 def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str | os.PathLike,
-          name: str = "blockdraft DFlash drafter") -> Path:
+          name: str = "blockdraft DFlash drafter", overwrite: bool = False) -> Path:
     """Write the drafter's native tensors `sd` (fc scale folded in) as llama.cpp's DFlash GGUF at
-    `dst`, atomically (a crash leaves no half file). The tokenizer and a draft vocabulary's head
-    rows come from `target_gguf`."""
-    from gguf import GGUFValueType, GGUFWriter
+    `dst`, atomically (a crash leaves no half file; a killed writer's temporary is removed by the
+    next one). The tokenizer and a draft vocabulary's head rows come from `target_gguf`."""
+    import json
 
     from ...atomic import check_free_space
-    from ...target import hidden_states_index
+    from ...finite import require_finite
+    from ...ownership import record, remove_leftovers, temp_path
+    from .gguf_file import check_values, file_bytes, write_file
 
     src = Path(target_gguf)
     if not src.is_file():
@@ -174,55 +257,18 @@ def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str
         raise ValueError(f"{dst} is a directory; the GGUF export is one file (e.g. {dst / 'draft.gguf'})")
     if dst.suffix != ".gguf":
         raise ValueError(f"{dst}: name the GGUF file with a .gguf suffix")
+    check_destination(dst, overwrite)
+    require_finite(sd, f"the drafter to write as {dst}", "nothing was written; retrain it")
+    entries = _entries(cfg, reader, name, json.dumps(record("convert")))
+    tensors = _tensors(sd, cfg, reader)
+    check_values(entries)  # a value out of its GGUF type's range: one line now, not a struct.error mid-file
+    check_free_space(dst.parent, file_bytes(entries, tensors), "the GGUF file")  # the bytes written, exactly
     dst.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(dst.parent, sum(v.numel() * v.element_size() for v in sd.values()) + 2**22, "the GGUF file")
 
-    w_tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    wr = GGUFWriter(str(w_tmp), ARCH)
+    remove_leftovers(dst)
+    w_tmp = temp_path(dst)
     try:
-        wr.add_name(name)
-        a = ARCH
-        for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
-                           ("block_count", cfg.num_hidden_layers), ("feed_forward_length", cfg.intermediate_size),
-                           ("attention.head_count", cfg.num_attention_heads),
-                           ("attention.head_count_kv", cfg.num_key_value_heads),
-                           ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
-                           ("rope.dimension_count", cfg.head_dim), ("vocab_size", cfg.vocab_size),
-                           ("block_size", cfg.block_size)):
-            wr.add_uint32(f"{a}.{key}", value)
-        wr.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-        wr.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
-        if cfg.hidden_act != "silu":
-            wr.add_string(f"{a}.hidden_activation", cfg.hidden_act)
-        wr.add_key_value(f"{a}.target_layers", [hidden_states_index(L) for L in cfg.target_layer_ids],
-                         GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
-        wr.add_bool(f"{a}.attention.causal", causal_flag(cfg))
-        if cfg.has_sliding:
-            wr.add_uint32(f"{a}.attention.sliding_window", cfg.sliding_window)
-            wr.add_key_value(f"{a}.attention.sliding_window_pattern", [t == SLIDING for t in cfg.layer_types],
-                             GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
-        for key, field in reader.fields.items():  # the target's tokenizer, as the engine loads it
-            if key.startswith("tokenizer.") and key != "tokenizer.ggml.mask_token_id":
-                vtype = field.types[0]
-                sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-                wr.add_key_value(key, field.contents(), vtype, sub_type=sub)
-        wr.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
-
-        for k, v in sd.items():
-            if k == "draft_vocab":
-                continue
-            arr, raw = _array(v, norm=v.dim() == 1)
-            wr.add_tensor(tensor_name(k), arr, raw_dtype=raw)
-        if cfg.draft_vocab_size:
-            ids = sd["draft_vocab"].to(torch.long)
-            rows = head_rows(reader, ids).to(sd["fc.weight"].dtype)
-            arr, raw = _array(rows, norm=False)
-            wr.add_tensor("output.weight", arr, raw_dtype=raw)
-            wr.add_tensor("d2t", ids.numpy().astype(np.int64))
-        wr.write_header_to_file()
-        wr.write_kv_data_to_file()
-        wr.write_tensors_to_file()
-        wr.close()
+        write_file(w_tmp, ARCH, entries, tensors)
         os.replace(w_tmp, dst)
     finally:
         if w_tmp.exists():
