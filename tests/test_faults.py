@@ -30,25 +30,15 @@ REPORT = {"faults": 0, "tracebacks": 0, "files_lost": 0}
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_tokenizer):
-    from blockdraft.tiny import tiny_causal_lm
-
-    d = tmp_path_factory.mktemp("tiny-target")
-    model = tiny_causal_lm("llama", vocab=len(smollm2_tokenizer), layers=8, hidden=32, max_positions=1024)
-    model.save_pretrained(d)
-    smollm2_tokenizer.save_pretrained(d)
-    return str(d)
+def tiny_dir(tiny_target_dir):
+    """conftest's tiny Llama target directory (read only here)."""
+    return tiny_target_dir
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from blockdraft.data import load_conversations
-    from blockdraft.data.pipeline import default_data_file
-
-    convs, _ = load_conversations(default_data_file())
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs[:24]))
-    return str(path)
+def data(chat_data):
+    """conftest's 24 bundled conversations."""
+    return chat_data
 
 
 TRAIN = ["--max-length", "128", "--batch-tokens", "256", "--max-anchors", "16", "--draft-vocab", "full",
