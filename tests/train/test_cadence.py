@@ -92,3 +92,13 @@ def test_planning_the_next_micro_batch_on_a_thread_trains_the_same(tmp_path, ahe
         if flag:
             assert tr._planner is not None and not tr._planned  # used, and nothing left behind
     assert losses["ahead"] == losses["inline"]
+
+
+def test_both_peaks_reach_the_metrics_as_per_rank_lists(tmp_path, monkeypatch):
+    import blockdraft.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "memory_peaks", lambda device: {"peak_mem_gib": 3.0, "peak_reserved_gib": 5.0})
+    tr = make(tmp_path, steps=2)
+    tr.train()
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["peak_mem_gib"] == [3.0] and m["peak_reserved_gib"] == [5.0] for m in lines)

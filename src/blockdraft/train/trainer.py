@@ -328,8 +328,10 @@ class Trainer:
         agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], step_s=step_s,
                    gamma="dpace" if cfg.gamma_schedule == "dpace" else gamma,
                    tokens_per_s=tokens / step_s)
-        for k, v in memory_peaks(dev).items():  # this step's peaks on every rank, in GiB (CUDA)
-            agg[k] = all_gather_floats([v])
+        peaks = memory_peaks(dev)  # this step's peaks on every rank, in GiB (CUDA): one collective for both
+        if peaks:
+            got = all_gather_floats(list(peaks.values()))  # rank 0's values, then rank 1's, ...
+            agg.update({k: got[i::len(peaks)] for i, k in enumerate(peaks)})
         return agg
 
     def train(self, resume: bool = False) -> dict:
