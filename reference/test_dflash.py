@@ -42,7 +42,8 @@ def both_hidden(target, ours, theirs, ids, C):
 def test_dflash_drafter_equals_ours(tmp_path, case):
     target = tiny_target()
     ours = tiny_drafter(target, CASES[case])
-    save_drafter(ours, tmp_path / "d")
+    save_drafter(ours, tmp_path / "d",
+                 head_rows=target.head_rows(ours.draft_vocab) if ours.config.draft_vocab_size else None)
     theirs = load_dflash(tmp_path / "d")
     assert theirs.target_layer_ids == target.layer_ids and theirs.block_size == B
     ids = torch.randint(0, TINY_V - 1, (1, 40), generator=torch.Generator().manual_seed(1))

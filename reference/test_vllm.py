@@ -19,7 +19,7 @@ import torch
 from common import eval_prompts, smollm2_target, smollm2_variants, threads
 
 from blockdraft.data.chat import encode_prompt as encode
-from blockdraft.checkpoint.native import default_verifier, export_drafter
+from blockdraft.checkpoint.native import DEFAULT_DRAFTER, default_verifier, export_drafter
 from blockdraft.engines.vllm import run_job
 from blockdraft.generate import speculative_generate
 from blockdraft.target import stop_token_ids
@@ -91,7 +91,9 @@ def record(case, out, tau, per_pos, identical_target, identical_ours, n):
         Path(path).write_text(json.dumps(RESULTS, indent=1) + "\n")
 
 
-CASES = [("shipped", "zlab"), ("query-causal", "speculators"), ("query-bidirectional", "zlab"),
+# "committed": the bundled drafter's directory as committed (`save_drafter`'s layout, which `train`
+# writes), served as it is, without `convert` (bf16, its draft vocabulary's head rows included)
+CASES = [("shipped", "committed"), ("query-causal", "speculators"), ("query-bidirectional", "zlab"),
          ("full-attention", "zlab")]
 
 
@@ -99,7 +101,10 @@ CASES = [("shipped", "zlab"), ("query-causal", "speculators"), ("query-bidirecti
 def test_vllm_serves_the_drafter_as_blockdraft_computes_it(setup, variant, fmt):
     tmp, target, prompts, base = setup
     drafter = smollm2_variants()[variant]
-    path, found = export_drafter(drafter, tmp / f"{variant}-{fmt}", fmt)
+    if fmt == "committed":
+        path, found = DEFAULT_DRAFTER, []
+    else:
+        path, found = export_drafter(drafter, tmp / f"{variant}-{fmt}", fmt)
     assert not any(f.refuse for f in found)
     out = serve(tmp, f"{variant}-{fmt}", prompts, path)
     tokens, tau, per_pos = ours(target, drafter, prompts)

@@ -412,6 +412,19 @@ class TargetModel(nn.Module):
             self._rows_cache = cached
         return cached[1]
 
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the head's weight, [len(ids), H] fp32 on the CPU: what an engine loads as a
+        draft vocabulary's `lm_head.weight`. Read from the target's safetensors where it has files
+        (exactly what `convert` copies, in the files' precision), else from the loaded head. Raw
+        rows, as every export writes them: a logit scale or soft-cap (`head`) is not in them."""
+        local = getattr(self, "local_dir", None)
+        if local is not None:
+            from .checkpoint.native import head_rows
+
+            return head_rows(str(local), ids)
+        w = self.model.get_output_embeddings().weight
+        return w.detach()[ids.to(w.device)].float().cpu()
+
     def head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The target's lm_head and what its forward does to the head's output (soft-capping,
         Granite's logits_scaling, Cohere's logit_scale: family.output_logits), so that

@@ -68,7 +68,7 @@ def test_a_draft_vocabulary_leaves_as_d2t_and_the_targets_head_rows(tmp_path, to
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, draft_vocab_size=40))
     ids = torch.randperm(V - 1, generator=torch.Generator().manual_seed(0))[:40]
     d.set_draft_vocab(ids)
-    save_drafter(d, tmp_path / "d")
+    save_drafter(d, tmp_path / "d", head_rows=t.head_rows(d.draft_vocab))
     verifier = fake_verifier(tmp_path / "verifier", t)
     convert(tmp_path / "d", tmp_path / "x", to, verifier=verifier)
     sd = load_file(str(tmp_path / "x" / "model.safetensors"))

@@ -62,7 +62,8 @@ def test_gguf_holds_the_drafters_tensors_under_llamacpps_names(shipped):
         f"blk.0.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
                                       "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
     assert set(tensors) == expect  # no token_embd: llama.cpp takes the target's
-    by_gguf = {fmt.tensor_name(k): v for k, v in native.items() if k != "draft_vocab"}
+    # the directory holds the engines' draft-vocabulary tensors (d2t offsets, the head's rows as lm_head.weight)
+    by_gguf = {fmt.tensor_name(k): v for k, v in native.items() if k not in ("d2t", "lm_head.weight")}
     for name, want in by_gguf.items():
         t = tensors[name]
         assert [int(x) for x in t.shape] == list(reversed(want.shape)), name  # ggml ne: input dim first
@@ -70,7 +71,10 @@ def test_gguf_holds_the_drafters_tensors_under_llamacpps_names(shipped):
         assert torch.equal(got.to(want.dtype), want), name  # bit for bit (norm gains widened to fp32)
     assert tensors["d2t"].tensor_type.name == "I64"
     # llama.cpp scatters draft row i onto target id d2t[i]: absolute ids, not the offsets vLLM reads
-    assert torch.equal(as_torch(tensors["d2t"]), native["draft_vocab"])
+    ids = native["d2t"] + torch.arange(native["d2t"].numel())
+    assert torch.equal(as_torch(tensors["d2t"]), ids)
+    head = as_torch(tensors["output.weight"]).reshape(native["lm_head.weight"].shape)
+    assert torch.equal(head.to(torch.bfloat16), native["lm_head.weight"])  # the same target rows
 
 
 def test_gguf_metadata_is_clause_one_plus_one_and_the_targets_tokenizer(shipped):

@@ -1,9 +1,12 @@
 """Drafter directories: config.json + model.safetensors, written atomically, read without pickle,
 and exported to the ecosystem's formats (`formats/`).
 
-The target's embedding and lm_head are never stored natively; an export for an engine that
-needs the head's draft-vocabulary rows (vLLM, speculators) copies them from the verifier. The
-feature scale used in training is folded into fc.weight, so the weights keep the reference
+A native directory is the z-lab layout as engines load it, unchanged (vLLM included): for a
+draft vocabulary it holds `d2t` offsets and the target head's rows for the draft ids as
+`lm_head.weight` (the target's own, never trained; `save_drafter(head_rows=...)`), bit for bit
+what `convert --to zlab` writes. The target's embedding and full head are never stored. Reading
+turns `d2t` (or an older directory's `draft_vocab`) into the drafter's ids and drops the rows.
+The feature scale used in training is folded into fc.weight, so the weights keep the reference
 (z-lab) layout.
 """
 
@@ -45,12 +48,25 @@ def _write(directory, config: dict, sd: dict, owner: str) -> Path:
     return atomic_dir(directory, write, owned=OWNED, need_bytes=need, owner=owner)
 
 
-def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                 owner: str = "save_drafter") -> Path:
-    """Write config.json (z-lab layout) + model.safetensors (weights cast to `dtype` if given; ids stay
-    integers). Only a directory `owner` wrote (its marker) is replaced; any other is refused."""
-    cfg = formats.get(formats.NATIVE).write_config(drafter.config, Export())
-    return _write(directory, cfg, _state(drafter, dtype), owner)
+def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, head_rows: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None, owner: str = "save_drafter") -> Path:
+    """Write config.json + model.safetensors in the z-lab layout engines load (weights cast to `dtype`
+    if given; ids stay integers). A draft vocabulary needs `head_rows`, the target head's rows for
+    `drafter.draft_vocab` ([Vd, H], `TargetModel.head_rows`): written as `lm_head.weight` (in the
+    weights' dtype) beside the `d2t` offsets. Only a directory `owner` wrote (its marker) is
+    replaced; any other is refused."""
+    cfg = drafter.config
+    if cfg.draft_vocab_size and head_rows is None:
+        raise ValueError(f"the drafter has a {cfg.draft_vocab_size}-token draft vocabulary: saving it needs the "
+                         "target's head rows for it, head_rows=target.head_rows(drafter.draft_vocab)")
+    if head_rows is not None and not cfg.draft_vocab_size:
+        raise ValueError("head_rows is for a drafter with a draft vocabulary; this one scores the target's full head")
+    if head_rows is not None and tuple(head_rows.shape) != (cfg.draft_vocab_size, cfg.hidden_size):
+        raise ValueError(f"head_rows is {list(head_rows.shape)}; the drafter needs the target head's rows for its "
+                         f"draft vocabulary, [{cfg.draft_vocab_size}, {cfg.hidden_size}]")
+    fmt, ex = formats.get(formats.NATIVE), Export(head_rows=None if head_rows is None else head_rows.detach().cpu())
+    sd = fmt.write_weights({k: v.cpu() for k, v in _state(drafter, dtype).items()}, cfg, ex)
+    return _write(directory, fmt.write_config(cfg, ex), sd, owner)
 
 
 def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
@@ -130,7 +146,7 @@ def head_rows(verifier: str, ids: torch.Tensor) -> torch.Tensor:
         for f in files:
             with safe_open(str(f), "pt") as fh:
                 if name in fh.keys():
-                    return fh.get_tensor(name)[ids].float()
+                    return fh.get_tensor(name)[ids.cpu()].float()
     raise ValueError(f"{verifier} has no lm_head.weight or embed_tokens.weight in its safetensors files")
 
 

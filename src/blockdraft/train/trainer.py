@@ -386,8 +386,9 @@ class Trainer:
             self._planner.shutdown()
         final = self.plain_drafter()
         if lead:
+            rows = self.target.head_rows(final.draft_vocab) if final.config.draft_vocab_size else None
             try:
-                save_drafter(final, self.out / "drafter", owner="train")
+                save_drafter(final, self.out / "drafter", owner="train", head_rows=rows)
             except OSError as e:
                 raise ValueError(f"could not write the final drafter in {self.out / 'drafter'} ({e.strerror}); "
                                  f"the checkpoint of step {self.saved_step} is kept: free space and rerun with "

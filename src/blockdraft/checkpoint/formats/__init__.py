@@ -13,7 +13,7 @@ from .base import Difference, Export, Format, native_weights
 FORMATS: dict[str, Format] = {f.name: f for f in (zlab.FORMAT, speculators.FORMAT)}
 GGUF = "gguf"  # llama.cpp's one-file drafter (formats/gguf.py): written by `convert`, never read back
 EXPORTS = {**{f.name: f.description for f in FORMATS.values()}, GGUF: "llama.cpp's DFlash GGUF (one file)"}
-NATIVE = "zlab"  # save_drafter writes this config layout (weights keep `draft_vocab`)
+NATIVE = "zlab"  # save_drafter writes this layout, config and weights (d2t + head rows): engines load it as is
 
 
 def get(name: str) -> Format:
