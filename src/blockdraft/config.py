@@ -25,6 +25,15 @@ WINDOW_QUERY = "query"
 WINDOW_ANCHOR = "anchor"
 WINDOW_RULES = (WINDOW_QUERY, WINDOW_ANCHOR)
 DEFAULT_WINDOW_RULE = WINDOW_QUERY
+# Drafter kinds (DESIGN.md section 2): the DFlash backbone alone, plus DSpark's Markov and confidence
+# heads, or plus DFlash2's convolutions and candidate selector. Each kind's fields and their defaults
+# (speculators 0.9.0's); a field of another kind must stay unset. The modules are in model/kinds/.
+KINDS = ("dflash", "dspark", "dflash2")
+KIND_FIELDS = {
+    "dflash": {},
+    "dspark": {"markov_rank": 256, "confidence_head": True},
+    "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+}
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -106,6 +115,17 @@ class DrafterConfig:
     # frequent tokens of the training data; ids in the checkpoint's `draft_vocab` tensor).
     # None = the full vocabulary. The verifier always uses the full head, so output is unchanged.
     draft_vocab_size: int | None = None
+    # --- the drafter kind (KINDS) and its own fields (KIND_FIELDS; unset = the kind's default) ---
+    kind: str = "dflash"
+    markov_rank: int | None = None  # DSpark: rank of the Markov bias W2 W1[previous token]
+    confidence_head: bool | None = None  # DSpark: a per-slot acceptance predictor over [hidden; W1[prev]]
+    conv_kernel_size: int | None = None  # DFlash2: taps of the in-block causal convolutions
+    conv_group_size: int | None = None  # DFlash2: channels sharing one dynamic tap coefficient
+    selector_rank: int | None = None  # DFlash2: rank of the candidate selector's bilinear edge scores
+    selector_top_k: int | None = None  # DFlash2: candidates per slot the selector chooses among
+    # Whether slot 0 (the anchor) predicts too (DSpark's reference default); blockdraft trains every
+    # kind with the DFlash convention, slot k predicting the token at anchor + k, and writes it out.
+    sample_from_anchor: bool = False
     # --- provenance ---
     target_name: str | None = None
     tokenizer_hash: str | None = None
@@ -125,6 +145,9 @@ class DrafterConfig:
             self.layer_types = [FULL] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
         self.target_layer_ids = list(self.target_layer_ids)
+        for name, default in KIND_FIELDS.get(self.kind, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -163,6 +186,28 @@ class DrafterConfig:
         if SLIDING in self.layer_types:
             need(self.sliding_window is not None and self.sliding_window >= 1,
                  "sliding_attention layers need sliding_window >= 1")
+        self._validate_kind(need)
+
+    def _validate_kind(self, need) -> None:
+        need(self.kind in KINDS, f"unknown drafter kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        mine = KIND_FIELDS[self.kind]
+        foreign = sorted(n for k in KINDS for n in KIND_FIELDS[k] if n not in mine and getattr(self, n) is not None)
+        need(not foreign, f"{', '.join(foreign)} belong to another drafter kind than {self.kind!r}")
+        need(not self.sample_from_anchor, "sample_from_anchor: blockdraft trains and serves the DFlash convention "
+             "(slot 0 is the anchor and predicts nothing); a drafter trained with slot 0 predicting is not supported")
+        small = [f"{n} {getattr(self, n)}" for n in mine if not isinstance(getattr(self, n), bool)
+                 and getattr(self, n) < (0 if n == "markov_rank" else 1)]
+        need(not small, f"{self.kind} fields out of range: {', '.join(small)}")
+        if self.kind == "dspark":
+            need(self.markov_rank > 0 or not self.confidence_head,
+                 "a DSpark confidence head reads W1[previous token]: it needs markov_rank > 0")
+        if self.kind == "dflash2":
+            need(self.hidden_size % self.conv_group_size == 0,
+                 f"hidden_size {self.hidden_size} must be a multiple of conv_group_size {self.conv_group_size}")
+            need(self.conv_kernel_size <= self.block_size,
+                 f"conv_kernel_size {self.conv_kernel_size} cannot exceed block_size {self.block_size}")
+            need(self.selector_top_k <= (self.draft_vocab_size or self.vocab_size),
+                 f"selector_top_k {self.selector_top_k} exceeds the draft vocabulary")
 
     # ------------------------------------------------------------- properties
     @property

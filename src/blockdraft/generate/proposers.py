@@ -73,26 +73,27 @@ class DrafterProposer:
         # a drafter whose block attention is not causal must see the whole block at once
         rows_run = n if d.causal_in_block else b
         hidden = d.draft_hidden(new_feats.to(dt), new_pos, embeds[:rows_run], anchor_pos, self.cache)
-        first = self._score(hidden[1:n])
+        first = self._score(hidden[1:n], int(block[0]))
         if n == b or bool((first[2] < self.threshold).any()):
             return first
         if hidden.shape[0] < b:  # the context rows are already in the cache: none are added again
             hidden = d.draft_hidden(new_feats[:0].to(dt), new_pos[:0], embeds, anchor_pos, self.cache)
-        rest = self._score(hidden[n:])
+        rest = self._score(hidden[n:], int(first[0][-1]))
         return tuple(None if a is None else torch.cat([a, c]) for a, c in zip(first, rest))
 
-    def _score(self, hidden):
-        """Normed drafter rows [s, Hd] -> drafted ids [s], (sampling) distributions [s, V], top probs [s]."""
+    def _score(self, hidden, prev: int):
+        """Normed drafter rows [s, Hd] and the token before the first -> drafted ids [s], (sampling)
+        their distributions [s, V], and the confidence a threshold cuts on [s]: the drafter's kind
+        reads them (model/kinds/: DSpark and DFlash2 walk left to right from `prev`)."""
         rows = self.drafter.vocab_rows
-        logits = self.target.head(hidden.to(self.target.dtype), rows)  # [s, Vd]
-        if self.s.temperature > 0:
-            q = full_vocab(sampling_probs(logits, self.s.temperature, self.s.top_p), rows, self.target.vocab_size)
-            # the cut uses each slot's top probability, never the sampled token: a cut that depended on
-            # the draw would bias the drafts that reach verification and break exactness
-            return torch.multinomial(q, 1, generator=self.s.generator)[:, 0], q, q.max(-1).values
-        probs = logits.float().softmax(-1)
-        conf, picks = probs.max(-1)
-        return (rows[picks] if rows is not None else picks), None, conf
+        s = self.s
+
+        def head(h):
+            return self.target.head(h.to(self.target.dtype), rows)  # [s, Vd]
+
+        probs = (lambda x: sampling_probs(x, s.temperature, s.top_p)) if s.temperature > 0 else None
+        out = self.drafter.kind.draft(self.drafter, head, hidden, prev, rows, probs, s.generator)
+        return out.tokens, out.q, out.conf
 
 
 class LookupProposer:
@@ -126,11 +127,3 @@ class FirstOf:
         for p in self.proposers:
             if hasattr(p, "commit"):
                 p.commit(tokens)
-
-
-def full_vocab(probs: torch.Tensor, rows, vocab_size: int) -> torch.Tensor:
-    if rows is None:
-        return probs
-    full = probs.new_zeros(probs.shape[0], vocab_size)
-    full[:, rows] = probs
-    return full

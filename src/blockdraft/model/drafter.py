@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ..config import DrafterConfig
+from . import kinds
 from .attention import BlockLayout
-from .layers import DFlashDecoderLayer
 from .masks import cached_block_mask
 from .linear import use_few_rows_linears
 
@@ -45,11 +45,13 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         q3 = config.qwen3_config()
+        self.kind = kinds.get(config.kind)  # what this kind adds to the backbone (model/kinds/)
         with contextlib.nullcontext() if initialize else _no_random_init():
             self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
             self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, q3) for i in range(config.num_hidden_layers))
+            self.layers = nn.ModuleList(self.kind.layer(config, i, q3) for i in range(config.num_hidden_layers))
             self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.kind.build(self)
         self.rotary_emb = Qwen3RotaryEmbedding(q3)
         # Per-dimension input scale for the optimiser's sake (the target's features have a few huge
         # outlier dimensions). Not a weight of the published architecture: `folded_state_dict` folds
@@ -74,6 +76,7 @@ class DFlashDrafter(nn.Module):
         # A unit-RMS output through the target head gives logits far sharper than the target's
         # (KL ~100 nats on SmolLM2); a small final-norm scale starts near uniform (KL ~14).
         nn.init.constant_(self.norm.weight, 0.1)
+        self.kind.reset_parameters(self)
 
     @property
     def vocab_rows(self) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import WINDOW_QUERY, WINDOW_RULES
+from ..config import KIND_FIELDS, KINDS, WINDOW_QUERY, WINDOW_RULES
 from ..options import existing, opt
 
 
@@ -35,6 +35,13 @@ class DrafterOptions:
     context_init: str = opt("random", "fc/hidden_norm start: random, or passing the last captured target layer "
                                       "through with the top layer's input-norm scale",
                             choices=("random", "top-feature"))
+    kind: str | None = opt(None, "drafter kind: dflash; dspark (+ a Markov bias on each slot from the token before "
+                                 "it, + a confidence head); dflash2 (+ in-block convolutions, + a top-K candidate "
+                                 "selector). With --init-drafter a DFlash drafter becomes this kind, starting as "
+                                 "its exact function (default: dflash, or the drafter's own)", choices=KINDS)
+    markov_rank: int | None = opt(None, "dspark: rank of the Markov bias (0: none) (default: 256)", min=0)
+    selector_rank: int | None = opt(None, "dflash2: rank of the candidate selector (default: 256)", min=1)
+    selector_top_k: int | None = opt(None, "dflash2: candidates per slot (default: 16)", min=1)
     init_drafter: str | None = opt(None, "go on training a saved drafter (a directory or 'default') with a fresh "
                                          "schedule; the layout options then come from it", metavar="DIR",
                                   check=existing("dir", names=("default",)))
@@ -55,13 +62,24 @@ class DrafterOptions:
     def layout(self) -> dict:
         """DrafterConfig.for_target keywords: layers, block, sliding windows and their rules."""
         self.check()
-        kw = dict(num_layers=self.draft_layers, block_size=self.block_size)
+        kw = dict(num_layers=self.draft_layers, block_size=self.block_size, **self.kind_fields())
         if self.sliding_window:
             n = self.sliding_layers
             kw.update(layer_types=["sliding_attention"] * n + ["full_attention"] * (self.draft_layers - n),
                       sliding_window=int(self.sliding_window), sliding_causal_in_block=not self.bidirectional_sliding,
                       sliding_window_rule=self.window_rule or WINDOW_QUERY)
         return kw
+
+    def kind_fields(self, kind: str | None = None) -> dict:
+        """DrafterConfig's kind and the kind's fields given as flags (a flag of another kind is refused)."""
+        kind = kind or self.kind or "dflash"
+        given = {n: getattr(self, n) for n in ("markov_rank", "selector_rank", "selector_top_k")
+                 if getattr(self, n) is not None}
+        foreign = sorted(n for n in given if n not in KIND_FIELDS[kind])
+        if foreign:
+            raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in foreign)} do not apply to a {kind} "
+                             f"drafter; give --kind")
+        return {"kind": kind, **given}
 
     def vocab_size(self, device: str, target_vocab: int) -> int | None:
         self.check(target_vocab)
@@ -215,7 +233,8 @@ def build_drafter(opts: DrafterOptions, target, train_rows: dict, device: str):
     return drafter.to(device)
 
 
-def continue_drafter(name_or_dir: str, target, device: str, window_rule: str | None = None):
+def continue_drafter(name_or_dir: str, target, device: str, window_rule: str | None = None,
+                     options: DrafterOptions | None = None):
     """A trained drafter to go on training (a fresh schedule, not --resume): its architecture, draft
     vocabulary and weights come from the checkpoint, so the layout options do not apply, except a
     given `window_rule`: the same weights then train under that sliding-window rule (how an
@@ -236,4 +255,26 @@ def continue_drafter(name_or_dir: str, target, device: str, window_rule: str | N
         moved = DFlashDrafter(dataclasses.replace(cfg, sliding_window_rule=window_rule), initialize=False)
         moved.load_state_dict(drafter.state_dict())
         drafter = moved.to(device)
+    if options is not None and options.kind and options.kind != cfg.kind:
+        drafter = change_kind(drafter, options.kind_fields(), device)
     return drafter
+
+
+def change_kind(drafter, fields: dict, device):
+    """A DFlash drafter as another kind (`fields`: kind + its flags): the backbone's weights kept, the kind's
+    own weights at their start, where the drafter computes the same function (model/kinds/)."""
+    import dataclasses
+
+    from ..model import DFlashDrafter
+
+    cfg = drafter.config
+    if cfg.kind != "dflash":
+        raise ValueError(f"--kind {fields['kind']}: only a dflash drafter changes kind; this one is a {cfg.kind}")
+    new = DFlashDrafter(dataclasses.replace(cfg, **fields)).to(device)
+    new.set_feature_scale(drafter.feature_scale, keep_function=False)
+    result = new.load_state_dict(drafter.state_dict(), strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"the {fields['kind']} drafter has no place for {result.unexpected_keys[:4]}")
+    print(f"init: the {cfg.kind} drafter becomes a {fields['kind']} drafter; its {len(result.missing_keys)} new "
+          "tensors start where it computes the same function")
+    return new

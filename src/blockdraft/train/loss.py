@@ -114,7 +114,7 @@ def as_labels(target_logits) -> Labels:
     return Labels(target_logits, torch.arange(target_logits.shape[0], device=target_logits.device))
 
 
-def _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab):
+def _weighted_parts(target_logits, supervised, gamma, kind, draft_vocab):
     """Slot weights [S], the target's argmax [S] (full vocabulary), the label rows [P, V or Vd], the
     slot -> row index [S], and whether the rows still need restricting to the draft vocabulary
     (hard loss: slots whose argmax lies outside the draft vocabulary get weight 0)."""
@@ -216,7 +216,7 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Ten
     n_labels = as_labels(target_logits).index.shape[0]
     if draft_logits.shape[0] != S or n_labels != S:
         raise ValueError(f"expected logits for {S} supervised slots, got {draft_logits.shape[0]} and {n_labels}")
-    w, target_top, logits, index, restrict = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
+    w, target_top, logits, index, restrict = _weighted_parts(target_logits, supervised, gamma, kind, draft_vocab)
     draft_top = draft_logits.argmax(-1)
     if draft_vocab is not None:
         draft_top = draft_vocab[draft_top]
@@ -261,37 +261,44 @@ def loss_chunk_slots(device, vocab: int, free_bytes: int | None = None) -> int:
 
 def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,
                         gamma: "float | DPace", kind: str = "soft", draft_vocab: torch.Tensor | None = None,
-                        chunk: int = 256, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+                        chunk: int = 256, sync_metrics: bool = True, terms=None,
+                        prev: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
     never holding the [S, Vd] draft logits nor an [S, V] copy of the labels: each chunk of slots
     gathers its label rows and computes its logits inside a checkpoint, recomputed in backward.
-    Same value and gradient as `dflash_loss(head(hidden), ...)`; peak memory one chunk."""
+    Same value and gradient as `dflash_loss(head(hidden), ...)`; peak memory one chunk.
+
+    `terms` (a drafter kind's `SlotTerms`, model/kinds/) replaces `head`: its logits (DSpark adds its
+    Markov bias, from each slot's previous token `prev` [S]) and the per-slot loss it adds, weighted
+    as the token loss's slots are (times `terms.weight`)."""
     from torch.utils.checkpoint import checkpoint
 
+    from ..model.kinds import SlotTerms
+    from ..model.kinds.base import to_target_ids
+
+    terms = terms or SlotTerms(None, head, draft_vocab)
     S = hidden.shape[0]
+    prev = torch.zeros(S, dtype=torch.long, device=hidden.device) if prev is None else prev
     if S == 0 or as_labels(target_logits).index.shape[0] != S:
-        return dflash_loss(head(hidden), target_logits, supervised, gamma=gamma, kind=kind, draft_vocab=draft_vocab,
-                           sync_metrics=sync_metrics)
-    w, target_top, logits, index, restrict = _weights_and_labels(target_logits, supervised, gamma, kind, draft_vocab)
-
+        return dflash_loss(terms.logits(hidden, prev), target_logits, supervised, gamma=gamma, kind=kind,
+                           draft_vocab=draft_vocab, sync_metrics=sync_metrics)
+    w, target_top, logits, index, restrict = _weighted_parts(target_logits, supervised, gamma, kind, draft_vocab)
     dpace = isinstance(gamma, DPace)
+    none = hidden.new_zeros(0, dtype=torch.float32)
 
-    def part(h, idx, top_t):
+    def part(h, idx, top_t, pv):
         t = _slot_labels(logits, idx, draft_vocab, restrict)  # [chunk, V'] made here, freed after
-        draft = head(h)  # [chunk, Vd]
-        conf = _confidence(draft, top_t, draft_vocab) if dpace else top_t.new_zeros(0, dtype=torch.float32)
-        return slot_losses(draft, t, kind), draft.argmax(-1), conf
+        draft = terms.logits(h, pv)  # [chunk, Vd]
+        conf = _confidence(draft, top_t, draft_vocab) if dpace else none
+        added, picked = terms.added(draft, t, h, pv, top_t)
+        picked = to_target_ids(draft.argmax(-1), draft_vocab) if picked is None else picked
+        return slot_losses(draft, t, kind), picked, conf, none if added is None else added
 
-    pers, tops, confs = [], [], []
-    for i in range(0, S, chunk):
-        sl = slice(i, i + chunk)
-        per, top, conf = checkpoint(part, hidden[sl], index[sl], target_top[sl], use_reentrant=False)
-        pers.append(per)
-        tops.append(top)
-        confs.append(conf)
+    outs = [checkpoint(part, hidden[i:i + chunk], index[i:i + chunk], target_top[i:i + chunk], prev[i:i + chunk],
+                       use_reentrant=False) for i in range(0, S, chunk)]
+    per, draft_top, conf, added = (torch.cat(x) for x in zip(*outs))
     # the per-slot losses [S] are weighted after all chunks: D-PACE's weights need every slot's draft
-    loss = _weighted(w, torch.cat(pers), torch.cat(confs) if dpace else None, supervised, gamma)
-    draft_top = torch.cat(tops)
-    if draft_vocab is not None:
-        draft_top = draft_vocab[draft_top]
+    loss = _weighted(w, per, conf if dpace else None, supervised, gamma)
+    if added.numel():
+        loss = loss + terms.weight * (w * added).sum() / w.sum().clamp(min=1e-12)
     return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)

@@ -178,7 +178,7 @@ def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
     target = load_target(cfg, device)
     train_rows, eval_rows, feats = training_data(cfg, target)
     if cfg.drafter.init_drafter:
-        drafter = continue_drafter(cfg.drafter.init_drafter, target, device, cfg.drafter.window_rule)
+        drafter = continue_drafter(cfg.drafter.init_drafter, target, device, cfg.drafter.window_rule, cfg.drafter)
     else:
         drafter = build_drafter(cfg.drafter, target, train_rows, device)
     # a drafter that already computes something (loaded, or a structured init) keeps its function

@@ -98,6 +98,7 @@ class Prepared:
     features: torch.Tensor  # [Bz*T, F*Ht]
     block_embeds: torch.Tensor  # [N, B, Hd]
     layout: BlockLayout
+    prev: torch.Tensor  # [S] each supervised slot's previous token: the data's, at its label position
 
 
 @dataclass
@@ -171,7 +172,8 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
     embeds = target.embed(block_input_ids(flat.input_ids, anchors_d, B, drafter.mask_token_id))  # [N, B, Hd]
     layout = BlockLayout(flat.document_ids, flat.position_ids, anchors_d, B, host_document_ids=host.document_ids,
                          host_anchors=anchors)
-    return Prepared(anchors_d, sup_d, labels, feats, embeds, layout)
+    prev = flat.input_ids[label_positions(anchors_d, B)[sup_d]]
+    return Prepared(anchors_d, sup_d, labels, feats, embeds, layout, prev)
 
 
 def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
@@ -191,9 +193,10 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     # the [S, Vd] draft logits are made one chunk of slots at a time (and again in backward)
     # (as many slots per chunk as the device's free memory allows: 256 on a CPU)
     width = len(rows) if rows is not None else p.target_logits.logits.shape[-1]  # the head's vocabulary
-    return dflash_loss_chunked(hidden[p.supervised], lambda h: target.head(h.to(target.dtype), rows),
-                               p.target_logits, p.supervised, gamma=g, kind=loss, draft_vocab=rows,
-                               chunk=loss_chunk_slots(hidden.device, width), sync_metrics=sync_metrics)
+    terms = drafter.kind.slot_terms(drafter, lambda h: target.head(h.to(target.dtype), rows), rows)
+    return dflash_loss_chunked(hidden[p.supervised], None, p.target_logits, p.supervised, gamma=g, kind=loss,
+                               draft_vocab=rows, chunk=loss_chunk_slots(hidden.device, width),
+                               sync_metrics=sync_metrics, terms=terms, prev=p.prev)
 
 
 def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:

@@ -21,7 +21,8 @@ QWEN3_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
                 "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "attention_bias",
                 "hidden_act", "layer_types", "sliding_window", "vocab_size")
 OWN_FIELDS = ("target_hidden_size", "sliding_causal_in_block", "sliding_window_rule", "draft_vocab_size",
-              "target_name", "tokenizer_hash", "generate_defaults")
+              "target_name", "tokenizer_hash", "generate_defaults", "kind", "markov_rank", "confidence_head",
+              "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor")
 OWN_KEY = "blockdraft"  # blockdraft's own fields ride along under this key; other readers ignore it
 
 

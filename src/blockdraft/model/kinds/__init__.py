@@ -1,0 +1,33 @@
+"""Drafter kinds, registered by name: what each adds to the DFlash backbone, in one place each.
+
+A kind says which decoder layer the drafter stacks, which modules it adds beside the layers, how
+they start (every kind starts as the DFlash function of the same backbone weights, so a DFlash
+checkpoint initialises it exactly), the per-slot terms its loss adds (`SlotTerms`), and how its
+drafts are read from the final hidden rows (`draft`). The trainer, the loss and the generate loop
+ask the kind; none of them tests which kind it is.
+
+- dflash (`base.py`): the backbone alone; a slot's draft is its own argmax (or sample).
+- dspark (`dspark.py`): + a Markov bias W2 W1[previous token] on each slot's logits, walked left to
+  right from the verified token, + a confidence head.
+- dflash2 (`dflash2.py`): + in-block causal convolutions around every attention and MLP sublayer,
+  + a candidate selector over each slot's top K, walked greedily from the verified token.
+
+Legend: s slots, Hd hidden, Vd draft vocabulary (the target's when there is none), V target vocabulary.
+"""
+
+from __future__ import annotations
+
+from .base import DFlash, Drafted, Kind, SlotTerms
+from .dflash2 import DFlash2
+from .dspark import DSpark
+
+KINDS: dict[str, Kind] = {k.name: k for k in (DFlash(), DSpark(), DFlash2())}
+
+
+def get(name: str) -> Kind:
+    if name not in KINDS:
+        raise ValueError(f"unknown drafter kind {name!r}; choose one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+__all__ = ["KINDS", "Drafted", "Kind", "SlotTerms", "get"]

@@ -1,0 +1,95 @@
+"""The kind interface, and DFlash: the backbone alone (clause 8's drafts: each slot's own argmax).
+
+Legend: s slots, c slots of one loss chunk, Hd hidden, Vd draft vocabulary, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..layers import DFlashDecoderLayer
+
+Head = Callable[[torch.Tensor], torch.Tensor]  # final-normed rows [s, Hd] -> the target head's logits [s, Vd]
+Probs = Callable[[torch.Tensor], torch.Tensor]  # logits [s, n] -> sampling probabilities [s, n]
+
+
+@dataclass
+class Drafted:
+    """One block's drafts: target ids [s], (sampling) the distribution each was drawn from [s, V], and
+    the confidence a draft threshold cuts on [s] (known before the slot's own token is drawn)."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None
+    conf: torch.Tensor
+
+
+class SlotTerms:
+    """A kind's part of the loss of one chunk of supervised slots. `prev` [c] is each slot's previous
+    token (the data's token at the slot's label position: teacher forcing); `rows` the draft
+    vocabulary's target ids or None. DFlash: the head's logits, nothing added."""
+
+    weight = 1.0  # of the added term, against the token loss
+
+    def __init__(self, drafter: nn.Module, head: Head, rows: torch.Tensor | None):
+        self.drafter, self.head, self.rows = drafter, head, rows
+
+    def logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """[c, Hd], [c] -> the draft logits the token loss compares with the target [c, Vd]."""
+        return self.head(h)
+
+    def added(self, draft: torch.Tensor, labels: torch.Tensor, h: torch.Tensor, prev: torch.Tensor,
+              target_top: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The added per-slot loss [c] (None: none) and the drafted target ids [c] the metrics read when
+        they are not the argmax of `draft` (None). `labels` [c, Vd] the target's rows on the draft
+        vocabulary, `target_top` [c] its full-vocabulary argmax."""
+        return None, None
+
+
+def to_target_ids(picks: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return picks if rows is None else rows[picks]
+
+
+def full_vocab(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[s, n] probabilities over target ids `ids` ([n] or [s, n]; None: n is the vocabulary) -> [s, V]."""
+    if ids is None:
+        return probs
+    full = probs.new_zeros(probs.shape[0], vocab_size)
+    return full.scatter_(1, ids.expand(probs.shape[0], -1) if ids.dim() == 1 else ids, probs)
+
+
+class Kind:
+    name = "dflash"
+    layer = DFlashDecoderLayer
+    terms = SlotTerms
+
+    def build(self, drafter: nn.Module) -> None:
+        """Add the kind's modules beside the layers (its layer modules come with `layer`)."""
+
+    @torch.no_grad()
+    def reset_parameters(self, drafter: nn.Module) -> None:
+        """Start the kind's own weights where the drafter computes the DFlash function of its backbone."""
+
+    def slot_terms(self, drafter: nn.Module, head: Head, rows: torch.Tensor | None) -> SlotTerms:
+        return self.terms(drafter, head, rows)
+
+    def draft(self, drafter: nn.Module, head: Head, hidden: torch.Tensor, prev: int, rows: torch.Tensor | None,
+              probs: Probs | None, generator: torch.Generator | None) -> Drafted:
+        """The drafts of final-normed rows `hidden` [s, Hd] (slots 1.. of the block, or some of them),
+        `prev` the token before the first of them; `probs` None: greedy."""
+        logits = head(hidden)  # [s, Vd]
+        V = drafter.config.vocab_size
+        if probs is None:
+            conf, picks = logits.float().softmax(-1).max(-1)
+            return Drafted(to_target_ids(picks, rows), None, conf)
+        q = full_vocab(probs(logits), rows, V)
+        # the cut uses each slot's top probability, never the sampled token: a cut that depended on the
+        # draw would bias the drafts that reach verification and break exactness
+        return Drafted(torch.multinomial(q, 1, generator=generator)[:, 0], q, q.max(-1).values)
+
+
+class DFlash(Kind):
+    pass
