@@ -168,3 +168,58 @@ def test_cli_exit_code(tmp_path):
     with pytest.raises(SystemExit) as e:  # a path that does not exist is a mistaken flag: exit 2
         main(["doctor", "--drafter", str(tmp_path / "missing")])
     assert e.value.code == 2
+
+
+KIND_KW = {"dspark": dict(kind="dspark", markov_rank=8),
+           "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8)}
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+def test_serving_check_reads_each_kind_by_its_walk(monkeypatch, kind):
+    """For DSpark and DFlash2 the served drafts come from the kind's walk (each slot reads the draft
+    before it, from the verified token on): the training path's rows walked the same way give the
+    same drafts; generation walking from another token is caught."""
+    import blockdraft.generate.proposers as proposers
+
+    t, d, ids = setup(**KIND_KW[kind])
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    ids = ids[:, :24]
+    assert doctor.check_serving(t, d, ids).status == "PASS"
+    real = proposers.DrafterProposer._score
+
+    def off_by_one(self, hidden, prev):  # generation's walk starts from the token after the verified one
+        return real(self, hidden, (prev + 1) % V)
+
+    monkeypatch.setattr(proposers.DrafterProposer, "_score", off_by_one)
+    assert doctor.check_serving(t, d, ids).status == "FAIL"
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
+def test_kind_check_passes_each_sound_kind_and_names_its_engines(kind):
+    _, d, _ = setup(**KIND_KW.get(kind, {}))
+    c = doctor.check_kind(d)
+    assert c.status in ("PASS", "WARN") and "llama.cpp" in c.message, c
+    assert ("V2 GPU runner only" in c.message) == (kind != "dflash")
+
+
+def test_kind_check_catches_a_convolution_that_reaches_back_in_the_block(monkeypatch):
+    from blockdraft.model.kinds.dflash2 import GroupedConv
+
+    _, d, _ = setup(**KIND_KW["dflash2"])
+    assert doctor.check_kind(d).status in ("PASS", "WARN")
+    real = GroupedConv._conv
+
+    def leaky(self, x, side, dyn):  # each row also reads the next one
+        return real(self, x, side, dyn) + torch.roll(x, -1, dims=-2)
+
+    monkeypatch.setattr(GroupedConv, "_conv", leaky)
+    c = doctor.check_kind(d)
+    assert c.status == "FAIL" and "later block row" in c.message
+
+
+def test_kind_check_catches_a_selector_too_wide_for_llama_cpp():
+    _, d, _ = setup(kind="dflash2", selector_rank=8, selector_top_k=8, conv_group_size=8)  # 8 * 9 > 32
+    c = doctor.check_kind(d)
+    assert c.status == "FAIL" and "K (K + 1)" in c.message

