@@ -93,3 +93,38 @@ def test_train_generate_doctor_on_the_embedded_target(tmp_path, smollm2_dir, cap
                  "--max-new-tokens", "8", "--threads", "1"]) == 0
     assert main(["doctor", "--drafter", str(out / "drafter"), "--threads", "1"]) == 0
     assert "FAIL" not in capsys.readouterr().out
+
+
+def test_every_option_of_every_command_shows_its_default_or_says_it_is_required():
+    """--help tells every option's default (a required one says so), for every subcommand."""
+    import argparse
+
+    from blockdraft.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, sub in subs.choices.items():
+        fmt = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            shown = fmt._expand_help(action) if action.help else ""
+            if "default" not in shown and not (action.required and "required" in shown):
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert not missing, missing
+
+
+def test_no_function_in_the_package_is_longer_than_60_lines():
+    """DESIGN.md's rule of thumb 2, held: a long function is split where it does two things."""
+    import ast
+    from pathlib import Path
+
+    import blockdraft
+
+    long = []
+    for f in sorted(Path(blockdraft.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{f.name}:{node.name} {node.end_lineno - node.lineno + 1}")
+    assert not long, long

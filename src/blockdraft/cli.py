@@ -258,7 +258,7 @@ def _train_parser(p: argparse.ArgumentParser | None = None) -> argparse.Argument
     for cls in (DataOptions, DrafterOptions, TrainConfig):
         add_options(p, cls)
     p.add_argument("--config", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
-                   help="replay a run's train_config.json; flags given beside it override it")
+                   help="replay a run's train_config.json; flags given beside it override it (default: none)")
     return p
 
 
@@ -275,7 +275,7 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--prompts", default="default", type=Checked(str, check=existing("file", names=("default",))),
                    help="prompt records or conversations file, or 'default' (the bundled prompt set)")
     r.add_argument("--out", required=True, type=TEXT,
-                   help="answers, JSONL; an existing file is completed, never rewritten")
+                   help="answers, JSONL; an existing file is completed, never rewritten (required)")
     r.add_argument("--n", type=Checked(int), default=0, help="answer only the first N prompts (0: all)")
     r.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
     r.add_argument("--batch-size", type=Checked(int, min=1), default=8, help="prompts per generate call (vLLM: 64-256)")
@@ -293,7 +293,7 @@ def _add_regenerate(sub) -> None:
     p = sub.add_parser("prompts", help="build a prompt set: user turns the target writes (Magpie) + built-in ones",
                        formatter_class=FORMATTER)
     _target_args(p)
-    p.add_argument("--out", required=True, type=TEXT, help="prompt records, JSONL (gzip if it ends .gz)")
+    p.add_argument("--out", required=True, type=TEXT, help="prompt records, JSONL (gzip if it ends .gz) (required)")
     p.add_argument("--magpie", type=Checked(int), default=1000, help="user turns sampled from the target")
     p.add_argument("--builtin", type=Checked(int), default=0, help="prompts built from the Python stdlib and man pages")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
@@ -309,7 +309,8 @@ def _add_extract(sub) -> None:
     from .options import add_options
     from .train.run import ExtractOptions
 
-    x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)")
+    x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)",
+                       formatter_class=FORMATTER)
     _target_args(x, features=True)
     add_options(x, DataOptions, only=("data", "max_length", "skip_bad_lines"))
     add_options(x, ExtractOptions)
@@ -321,7 +322,7 @@ def _add_convert(sub) -> None:
 
     c = sub.add_parser("convert", help="write a drafter checkpoint for a consumer: " +
                        "; ".join(f"{k} ({v})" for k, v in EXPORTS.items()), formatter_class=FORMATTER)
-    c.add_argument("--to", choices=list(EXPORTS), required=True, help="the format to write")
+    c.add_argument("--to", choices=list(EXPORTS), required=True, help="the format to write (required)")
     c.add_argument("--target-gguf", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
                    help="gguf only: the target's GGUF file that llama-server loads; its tokenizer (and a draft "
                         "vocabulary's head rows) are copied (default: the embedded target's own)")
@@ -433,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     for command in sub.choices.values():
-        command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+        command.add_argument("--debug", action="store_true",
+                             help="show the full traceback of an error (default: one line)")
     return p
 
 

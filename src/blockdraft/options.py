@@ -213,7 +213,7 @@ def add_options(parser: argparse.ArgumentParser, cls, *, only: tuple[str, ...] |
             help_text += " (default: %(default)s)" if not isinstance(default, list) else f" (default: {_shown(default)})"
         kind = field_constraint(f, hints[f.name])
         if meta.get("required"):
-            parser.add_argument(flag, dest=f.name, type=kind, required=True, help=help_text)
+            parser.add_argument(flag, dest=f.name, type=kind, required=True, help=help_text + " (required)")
             continue
         if base is bool:
             parser.add_argument(flag, dest=f.name, default=default, help=help_text,

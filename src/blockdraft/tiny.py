@@ -35,92 +35,99 @@ def tiny_config(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 3
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=max_positions)
-    hd = head_dim or hidden // heads
-    moe = dict(num_experts_per_tok=2, moe_intermediate_size=hidden)
-    if arch == "llama":
-        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
-    elif arch == "qwen2":
-        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
-    elif arch == "qwen3":
-        cfg, cls = tf.Qwen3Config(**common, head_dim=hd), tf.Qwen3ForCausalLM
-    elif arch == "mistral":
-        cfg, cls = tf.MistralConfig(**common, sliding_window=None), tf.MistralForCausalLM
-    elif arch == "gemma2":
-        cfg, cls = tf.Gemma2Config(**common, head_dim=hd, sliding_window=16, final_logit_softcapping=0.3,
-                                   attn_logit_softcapping=20.0), tf.Gemma2ForCausalLM
-    elif arch == "gemma3":
-        cfg, cls = tf.Gemma3TextConfig(**common, head_dim=hd, sliding_window=16), tf.Gemma3ForCausalLM
-    elif arch in HYBRID_ARCHS:
-        linear = dict(head_dim=hd, linear_num_value_heads=kv_heads, linear_num_key_heads=kv_heads,
-                      linear_key_head_dim=hd, linear_value_head_dim=hd)
-        if arch == "qwen3_next":
-            cfg = tf.Qwen3NextConfig(**common, **linear, num_experts=4, num_experts_per_tok=2,
-                                     moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
-            cls = tf.Qwen3NextForCausalLM
-        else:
-            cfg, cls = tf.Qwen3_5TextConfig(**common, **linear), tf.Qwen3_5ForCausalLM
-    elif arch == "qwen3_moe":
-        cfg, cls = tf.Qwen3MoeConfig(**common, **moe, head_dim=hd, num_experts=4), tf.Qwen3MoeForCausalLM
-    elif arch == "mixtral":
-        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
-        cls = tf.MixtralForCausalLM
-    elif arch == "phi3":  # fused qkv_proj and gate_up_proj
-        cfg, cls = tf.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.Phi3ForCausalLM
-    elif arch == "olmo2":  # norms after attention and MLP (none before), q/k norms over all heads
-        cfg, cls = tf.Olmo2Config(**common, pad_token_id=0, eos_token_id=2), tf.Olmo2ForCausalLM
-    elif arch == "granite":  # muP multipliers; logits divided by logits_scaling
-        cfg = tf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
-                               logits_scaling=4.0)
-        cls = tf.GraniteForCausalLM
-    elif arch == "cohere":  # LayerNorm (no bias), parallel attention + MLP, logits times logit_scale, tied head
-        cfg = tf.CohereConfig(**common, logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        cls = tf.CohereForCausalLM
-    elif arch == "glm4":  # sandwich norms, fused gate_up_proj, partial rotary
-        cfg, cls = tf.Glm4Config(**common, head_dim=hd, pad_token_id=0, eos_token_id=2), tf.Glm4ForCausalLM
-    elif arch == "glm4_moe":
-        cfg = tf.Glm4MoeConfig(**common, **moe, head_dim=hd, n_routed_experts=4, n_shared_experts=1,
-                               first_k_dense_replace=1, use_qk_norm=True)
-        cls = tf.Glm4MoeForCausalLM
-    elif arch == "deepseek_v3":  # multi-head latent attention, MoE after the first layer
-        cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": heads}, **moe, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
-                                  first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
-                                  qk_nope_head_dim=hd, v_head_dim=hd, head_dim=4)
-        cls = tf.DeepseekV3ForCausalLM
-    elif arch == "gpt_oss":  # attention sinks, sliding and full layers alternating, MoE
-        cfg = tf.GptOssConfig(**common, head_dim=hd, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                              rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=max_positions / 64,
-                                                   original_max_position_embeddings=64, beta_fast=32.0,
-                                                   beta_slow=1.0, truncate=False))
-        cls = tf.GptOssForCausalLM
-    elif arch == "minimax_m2":
-        cfg = tf.MiniMaxM2Config(**common, head_dim=hd, num_local_experts=4, num_experts_per_tok=2, bos_token_id=1,
-                                 eos_token_id=2)
-        cls = tf.MiniMaxM2ForCausalLM
-    elif arch == "llama4":  # chunked attention on the rope layers, every 4th layer NoPE, MoE every other layer
-        cfg = tf.Llama4TextConfig(**common, head_dim=hd, intermediate_size_mlp=2 * hidden, num_local_experts=4,
-                                  num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8,
-                                  no_rope_layer_interval=4)
-        cls = tf.Llama4ForCausalLM
-    elif arch == "nemotron_h":  # Mamba-2, attention and MLP layers, each its own block
-        pattern = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
-        cfg = tf.NemotronHConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                                 layers_block_type=[pattern[i % len(pattern)] for i in range(layers)],
-                                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
-                                 max_position_embeddings=max_positions, mamba_num_heads=4, mamba_head_dim=hd,
-                                 ssm_state_size=8, n_groups=2, chunk_size=8,
-                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        cls = tf.NemotronHForCausalLM
-    elif arch == "falcon_h1":  # attention and Mamba-2 side by side in every layer, muP multipliers
-        cfg = tf.FalconH1Config(**common, head_dim=hd, mamba_d_ssm=2 * hidden, mamba_n_heads=4, mamba_d_head=2 * hidden // 4,
-                                mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=True,
-                                embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.7,
-                                attention_in_multiplier=1.3, attention_out_multiplier=0.8, mlp_multipliers=[1.2, 0.9],
-                                ssm_multipliers=[0.8, 1.1, 0.9, 1.2, 1.0], ssm_in_multiplier=1.1, ssm_out_multiplier=0.9,
-                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        cls = tf.FalconH1ForCausalLM
-    else:
+    shape = dict(vocab=vocab, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                 intermediate=intermediate, max_positions=max_positions, hd=head_dim or hidden // heads)
+    builders = {**_dense_families(tf, common, shape), **_expert_families(tf, common, shape),
+                **_hybrid_families(tf, common, shape)}
+    if arch not in builders:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")
-    return cfg, cls
+    return builders[arch]()
+
+
+def _dense_families(tf, common: dict, s: dict) -> dict:
+    """Builders of the dense families' (config, class), by name."""
+    hd = s["hd"]
+    return {
+        "llama": lambda: (tf.LlamaConfig(**common), tf.LlamaForCausalLM),
+        "qwen2": lambda: (tf.Qwen2Config(**common), tf.Qwen2ForCausalLM),
+        "qwen3": lambda: (tf.Qwen3Config(**common, head_dim=hd), tf.Qwen3ForCausalLM),
+        "mistral": lambda: (tf.MistralConfig(**common, sliding_window=None), tf.MistralForCausalLM),
+        "gemma2": lambda: (tf.Gemma2Config(**common, head_dim=hd, sliding_window=16, final_logit_softcapping=0.3,
+                                           attn_logit_softcapping=20.0), tf.Gemma2ForCausalLM),
+        "gemma3": lambda: (tf.Gemma3TextConfig(**common, head_dim=hd, sliding_window=16), tf.Gemma3ForCausalLM),
+        # fused qkv_proj and gate_up_proj
+        "phi3": lambda: (tf.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.Phi3ForCausalLM),
+        # norms after attention and MLP (none before), q/k norms over all heads
+        "olmo2": lambda: (tf.Olmo2Config(**common, pad_token_id=0, eos_token_id=2), tf.Olmo2ForCausalLM),
+        # muP multipliers; logits divided by logits_scaling
+        "granite": lambda: (tf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                             attention_multiplier=0.2, logits_scaling=4.0), tf.GraniteForCausalLM),
+        # LayerNorm (no bias), parallel attention + MLP, logits times logit_scale, tied head
+        "cohere": lambda: (tf.CohereConfig(**common, logit_scale=0.25, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2), tf.CohereForCausalLM),
+        # sandwich norms, fused gate_up_proj, partial rotary
+        "glm4": lambda: (tf.Glm4Config(**common, head_dim=hd, pad_token_id=0, eos_token_id=2), tf.Glm4ForCausalLM),
+    }
+
+
+def _expert_families(tf, common: dict, s: dict) -> dict:
+    """Builders of the mixture-of-experts families' (config, class), by name."""
+    hd, hidden, heads = s["hd"], s["hidden"], s["heads"]
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=hidden)
+    yarn = dict(rope_type="yarn", rope_theta=150000.0, factor=s["max_positions"] / 64,
+                original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0, truncate=False)
+    return {
+        "qwen3_moe": lambda: (tf.Qwen3MoeConfig(**common, **moe, head_dim=hd, num_experts=4), tf.Qwen3MoeForCausalLM),
+        "mixtral": lambda: (tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+                            tf.MixtralForCausalLM),
+        "glm4_moe": lambda: (tf.Glm4MoeConfig(**common, **moe, head_dim=hd, n_routed_experts=4, n_shared_experts=1,
+                                              first_k_dense_replace=1, use_qk_norm=True), tf.Glm4MoeForCausalLM),
+        # multi-head latent attention, MoE after the first layer
+        "deepseek_v3": lambda: (tf.DeepseekV3Config(**{**common, "num_key_value_heads": heads}, **moe, n_routed_experts=4,
+                                                    n_shared_experts=1, n_group=1, topk_group=1,
+                                                    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                                                    qk_rope_head_dim=4, qk_nope_head_dim=hd, v_head_dim=hd,
+                                                    head_dim=4), tf.DeepseekV3ForCausalLM),
+        # attention sinks, sliding and full layers alternating, MoE
+        "gpt_oss": lambda: (tf.GptOssConfig(**common, head_dim=hd, num_local_experts=4, num_experts_per_tok=2,
+                                            sliding_window=8, rope_parameters=yarn), tf.GptOssForCausalLM),
+        "minimax_m2": lambda: (tf.MiniMaxM2Config(**common, head_dim=hd, num_local_experts=4, num_experts_per_tok=2,
+                                                  bos_token_id=1, eos_token_id=2), tf.MiniMaxM2ForCausalLM),
+        # chunked attention on the rope layers, every 4th layer NoPE, MoE every other layer
+        "llama4": lambda: (tf.Llama4TextConfig(**common, head_dim=hd, intermediate_size_mlp=2 * hidden,
+                                               num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                               attention_chunk_size=8, no_rope_layer_interval=4),
+                           tf.Llama4ForCausalLM),
+    }
+
+
+def _hybrid_families(tf, common: dict, s: dict) -> dict:
+    """Builders of the families with recurrent (linear-attention, Mamba) layers, by name."""
+    hd, hidden, kv = s["hd"], s["hidden"], s["kv_heads"]
+    linear = dict(head_dim=hd, linear_num_value_heads=kv, linear_num_key_heads=kv, linear_key_head_dim=hd,
+                  linear_value_head_dim=hd)
+    pattern = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return {
+        "qwen3_next": lambda: (tf.Qwen3NextConfig(**common, **linear, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=hidden,
+                                                  shared_expert_intermediate_size=hidden), tf.Qwen3NextForCausalLM),
+        "qwen3_5": lambda: (tf.Qwen3_5TextConfig(**common, **linear), tf.Qwen3_5ForCausalLM),
+        # Mamba-2, attention and MLP layers, each its own block
+        "nemotron_h": lambda: (tf.NemotronHConfig(
+            vocab_size=s["vocab"], hidden_size=hidden, intermediate_size=s["intermediate"] or 2 * hidden,
+            layers_block_type=[pattern[i % len(pattern)] for i in range(s["layers"])],
+            num_attention_heads=s["heads"], num_key_value_heads=kv, head_dim=hd,
+            max_position_embeddings=s["max_positions"], mamba_num_heads=4, mamba_head_dim=hd, ssm_state_size=8,
+            n_groups=2, chunk_size=8, **ids), tf.NemotronHForCausalLM),
+        # attention and Mamba-2 side by side in every layer, muP multipliers
+        "falcon_h1": lambda: (tf.FalconH1Config(
+            **common, head_dim=hd, mamba_d_ssm=2 * hidden, mamba_n_heads=4, mamba_d_head=2 * hidden // 4,
+            mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=True, embedding_multiplier=2.0,
+            lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+            mlp_multipliers=[1.2, 0.9], ssm_multipliers=[0.8, 1.1, 0.9, 1.2, 1.0], ssm_in_multiplier=1.1,
+            ssm_out_multiplier=0.9, **ids), tf.FalconH1ForCausalLM),
+    }
 
 
 def tiny_causal_lm(arch: str, *, seed: int = 0, device=None, dtype: torch.dtype | None = None, **shape):

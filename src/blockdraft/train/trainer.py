@@ -338,23 +338,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         lead = self.rank == 0
-        self.out.mkdir(parents=True, exist_ok=True)
-        if lead:  # found now, not after hours: two checkpoints (the swap) and the final drafter
-            check_free_space(self.out, 2 * self.checkpoint_bytes() + self.checkpoint_bytes() // 3,
-                             "the checkpoints and the final drafter")
-        if resume:
-            self.resume()
-        else:
-            self.drafter.set_feature_scale(self.feature_scale(), keep_function=self.keep_function)
-            if lead:
-                write_text(self.out / "metrics.jsonl", "")
-        # replicated and sharded training alike assume one drafter on every rank
-        check_same(list(self.drafter.parameters()), "initial drafters")
-        if self.fsdp:
-            self._shard()
-        if lead:
-            saved = self.run_config or {"train": dataclasses.asdict(self.cfg)}
-            write_text(self.out / "train_config.json", json.dumps(saved, indent=1))
+        self._start(resume, lead)
         bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
                    desc="train", unit="step", dynamic_ncols=True)
         last_eval: dict = {}
@@ -380,6 +364,32 @@ class Trainer:
             if self.save_cadence.due(step, self.total):
                 self.save_cadence.run(self.save)
         bar.close()
+        self._finish(lead)
+        return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
+
+    def _start(self, resume: bool, lead: bool) -> None:
+        """Before the first step: room for the checkpoints, the resumed or fresh state, one drafter on
+        every rank (then sharded), the run's config written."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if lead:  # found now, not after hours: two checkpoints (the swap) and the final drafter
+            check_free_space(self.out, 2 * self.checkpoint_bytes() + self.checkpoint_bytes() // 3,
+                             "the checkpoints and the final drafter")
+        if resume:
+            self.resume()
+        else:
+            self.drafter.set_feature_scale(self.feature_scale(), keep_function=self.keep_function)
+            if lead:
+                write_text(self.out / "metrics.jsonl", "")
+        # replicated and sharded training alike assume one drafter on every rank
+        check_same(list(self.drafter.parameters()), "initial drafters")
+        if self.fsdp:
+            self._shard()
+        if lead:
+            saved = self.run_config or {"train": dataclasses.asdict(self.cfg)}
+            write_text(self.out / "train_config.json", json.dumps(saved, indent=1))
+
+    def _finish(self, lead: bool) -> None:
+        """After the last step: the helper threads stopped, the final drafter written (rank 0)."""
         if self._prefetch is not None:
             self._prefetch.close()
         if self._planner is not None:
@@ -394,4 +404,3 @@ class Trainer:
                                  f"the checkpoint of step {self.saved_step} is kept: free space and rerun with "
                                  "--resume to write it") from None
         barrier()
-        return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
