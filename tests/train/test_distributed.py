@@ -24,7 +24,11 @@ from blockdraft.train.trainer import TrainConfig, Trainer
 EVAL_ROWS = 5  # an odd count: one rank evaluates more batches than the other
 
 
-def build(out, grad_accum, fsdp=False, row_shards=None, memo=False, steps=5):
+KIND_KW = {"dflash": {}, "dspark": dict(kind="dspark", markov_rank=8),
+           "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8)}
+
+
+def build(out, grad_accum, fsdp=False, row_shards=None, memo=False, steps=5, kind="dflash"):
     from conftest import tiny_target
     from conftest import tiny_rows
 
@@ -33,7 +37,7 @@ def build(out, grad_accum, fsdp=False, row_shards=None, memo=False, steps=5):
     with torch.no_grad():
         t.model.get_output_embeddings().weight.mul_(20)
     torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, **KIND_KW[kind]))
     cfg = TrainConfig(out=str(out), steps=steps, batch_tokens=40, max_anchors=8, eval_every=2, save_every=2,
                       lr=3e-3, warmup=1, grad_accum=grad_accum, progress=False, fsdp=fsdp, row_shards=row_shards)
     train, held_out = tiny_rows(16), tiny_rows(EVAL_ROWS, seed=1)
@@ -69,7 +73,8 @@ def slow_metrics_rewrites(rank):
     pathlib.Path.write_text, pathlib.Path.read_text = write_text, read_text
 
 
-def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resume=False, memo=False, steps=5):
+def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resume=False, memo=False, steps=5,
+           kind="dflash"):
     """One rank of a run under the strict shim; writes what the shim saw to out/shim-{rank}-{phase}.json."""
     from cuda_shim import strict_collectives
 
@@ -95,7 +100,7 @@ def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resum
         slow_metrics_rewrites(rank)
     placement, coll = strict_collectives()
     try:
-        tr = build(out, grad_accum=grad_accum, fsdp=fsdp, memo=memo, steps=steps)
+        tr = build(out, grad_accum=grad_accum, fsdp=fsdp, memo=memo, steps=steps, kind=kind)
         if stop_after:  # a kill after `stop_after` steps, on every rank
             real = tr.step
 
@@ -230,6 +235,26 @@ def test_fsdp_two_processes_match_one_process_and_resume_exactly(tmp_path):
     from blockdraft.checkpoint import load_drafter
 
     d1, d2 = load_drafter(tmp_path / "one" / "drafter"), load_drafter(tmp_path / "two" / "drafter")
+    for (n, p1), p2 in zip(d1.state_dict().items(), d2.state_dict().values()):
+        torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+def test_fsdp_trains_each_kind_as_one_process_does(tmp_path, kind):
+    """The kinds' own modules (DSpark's heads and DFlash2's selector beside the layers, its convolutions
+    inside them) sharded by FSDP2 on 2 gloo processes: one process's losses and final weights."""
+    one = build(tmp_path / "one", grad_accum=2, fsdp=True, row_shards=2, kind=kind)
+    one.train()
+    spawn(2, tmp_path / "two", 1, True, 0, False, False, 5, kind)
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5, abs=1e-6), key
+    from blockdraft.checkpoint import load_drafter
+
+    d1, d2 = load_drafter(tmp_path / "one" / "drafter"), load_drafter(tmp_path / "two" / "drafter")
+    assert d1.config.kind == d2.config.kind == kind
     for (n, p1), p2 in zip(d1.state_dict().items(), d2.state_dict().values()):
         torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6, msg=n)
 
