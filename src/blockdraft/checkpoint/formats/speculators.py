@@ -55,7 +55,9 @@ def write_config(cfg: DrafterConfig, ex: Export) -> dict:
         "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
         "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size, "target_hidden_size": cfg.target_hidden_size,
         "num_target_layers": cfg.target_num_layers, "sample_from_anchor": False,
-        "sliding_window_non_causal": not cfg.sliding_causal_in_block,
+        # vLLM makes every layer causal when this is false (speculators reads it for sliding layers only):
+        # false only where the drafter's layers are causal sliding ones
+        "sliding_window_non_causal": not (cfg.has_sliding and cfg.sliding_causal_in_block),
         "transformer_layer_config": qwen3_fields(cfg), **kind_fields,
         "speculators_config": {
             "algorithm": cfg.kind,
@@ -101,7 +103,7 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
     # speculators trains with the anchor window; its own files say nothing of a rule
     own = agree_kind(read_own(d, {"target_hidden_size": int(d.get("target_hidden_size") or kw["hidden_size"]),
                                   "sliding_window_rule": WINDOW_ANCHOR,
-                                  "sliding_causal_in_block": not d.get("sliding_window_non_causal", True),
+                                  "sliding_causal_in_block": not sliding or not d.get("sliding_window_non_causal", True),
                                   **kind_kw}), kind, "speculators_model_type")
     vd = d.get("draft_vocab_size")
     if "draft_vocab_size" not in own and vd not in (None, kw.get("vocab_size")):
