@@ -21,7 +21,7 @@ Parts, in order of value, each in its own process group with its own time limit,
 After every part the report (`gpu-check.json`) and that part's log tail (`gpu-check-logs.txt`)
 are written to `--out`, so a run stopped at any moment leaves the parts done. Each part checks its
 disk need first and deletes what it wrote once measured. Nothing is downloaded: targets are
-`random:NAME` (blockdraft.tiny.RANDOM_PRESETS) with SmolLM2's tokenizer (`--tokenizer`, packed by
+`random:NAME` (blockdraft.target.tiny.RANDOM_PRESETS) with SmolLM2's tokenizer (`--tokenizer`, packed by
 `--pack-tokenizer`), the data the bundled conversations. tests/test_gpu_check.py runs the CPU mode,
 and CI runs benchmarks/gpu_device_run.sh in an environment with the GPU image's versions.
 """
@@ -203,7 +203,7 @@ def preflight(check: Check) -> dict:
             got[name] = getattr(importlib.import_module(name), "__version__", "?")
         except Exception as e:  # noqa: BLE001  (a missing optional package is a figure)
             got[name] = f"missing ({type(e).__name__})"
-    for mod in ("blockdraft.cli", "blockdraft.train.run", "blockdraft.model.attention", "blockdraft.target_shard"):
+    for mod in ("blockdraft.cli", "blockdraft.train.run", "blockdraft.model.attention", "blockdraft.target.shard"):
         importlib.import_module(mod)  # a failure here fails the part: nothing else could run
     got["free_gib"] = {str(p): round(free_gib(p), 1) for p in (check.work, check.out)}
     smi = shutil.which("nvidia-smi")
@@ -451,7 +451,7 @@ def planned(target: str, flags: str, world: int, cuda: bool) -> dict:
     finally:
         sys.path.pop(0)
     from blockdraft.plan import plan_run
-    from blockdraft.tiny import random_config
+    from blockdraft.target.tiny import random_config
 
     plan = plan_run(random_config(target), memory_plan.run_config(flags), world=world, cuda=cuda, torchrun=True)
     return {"planned_peak_gib": plan.peak / GIB, "planned_reserved_gib": plan.reserved / GIB,
@@ -462,7 +462,7 @@ def figures_of_run(target: str, flags: str, world: int, drafter_dir: Path, check
                    tokens_per_s: float) -> dict:
     """The plan's figures beside a finished run's, the model FLOPs per token and, on a known GPU, MFU."""
     from blockdraft.plan import target_sizes
-    from blockdraft.tiny import random_config
+    from blockdraft.target.tiny import random_config
 
     fig = planned(target, flags, world, not check.cpu)
     fig["drafter_params"] = params_of(drafter_dir)
@@ -525,7 +525,7 @@ def parts(c: Check, skip_big: bool) -> None:
 
 def pack_tokenizer(out: Path) -> None:
     """The tokenizer files of random targets in `out` (small enough to carry to a GPU machine)."""
-    from blockdraft.target_files import random_target_tokenizer
+    from blockdraft.target.files import random_target_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     random_target_tokenizer().save_pretrained(out)
@@ -552,7 +552,7 @@ def main(argv=None) -> dict | None:
     p.add_argument("--drafter", default=None, help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=64, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.tokenizer:  # read by blockdraft.target_files.random_target_tokenizer, here and in every subprocess
+    if a.tokenizer:  # read by blockdraft.target.files.random_target_tokenizer, here and in every subprocess
         os.environ["BLOCKDRAFT_TOKENIZER"] = str(Path(a.tokenizer).resolve())
     if a.pack_tokenizer:
         return pack_tokenizer(Path(a.pack_tokenizer))

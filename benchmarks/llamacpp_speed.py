@@ -53,7 +53,7 @@ def main() -> None:
     from blockdraft.checkpoint.native import export_gguf
     from blockdraft.data.chat import encode_prompt
     from blockdraft.engines.llamacpp import find_server, serve
-    from blockdraft.target_files import load_tokenizer, resolve_target, target_gguf
+    from blockdraft.target.files import load_tokenizer, resolve_target, target_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--drafter", default="default")

@@ -107,7 +107,7 @@ def _build(spec: dict):
     from blockdraft.config import DrafterConfig
     from blockdraft.model import DFlashDrafter
     from blockdraft.target import TargetModel
-    from blockdraft.tiny import tiny_causal_lm
+    from blockdraft.target.tiny import tiny_causal_lm
     from blockdraft.train import Batch
 
     torch.manual_seed(0)

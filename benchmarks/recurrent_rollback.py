@@ -28,7 +28,7 @@ from blockdraft.generate import recurrent as rec
 from blockdraft.generate.baseline import target_greedy
 from blockdraft.model import DFlashDrafter
 from blockdraft.target import TargetModel
-from blockdraft.tiny import tiny_causal_lm
+from blockdraft.target.tiny import tiny_causal_lm
 
 SHAPES = {"tiny": dict(vocab=160, layers=6, hidden=32, heads=4, kv_heads=2),
           "moderate": dict(vocab=4096, layers=12, hidden=512, heads=8, kv_heads=4, intermediate=1024)}

@@ -17,7 +17,7 @@ import torch
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.target import TargetModel
-from blockdraft.tiny import tiny_causal_lm
+from blockdraft.target.tiny import tiny_causal_lm
 
 TINY_V = 160
 W, B = 6, 4  # a window shorter than the contexts below: anchors on both sides of W - B + 1 = 3

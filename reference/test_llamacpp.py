@@ -32,7 +32,7 @@ from blockdraft.data.chat import encode_prompt
 from blockdraft.engines import llamacpp
 from blockdraft.generate.speculative import speculative_generate
 from blockdraft.target import TargetModel, stop_token_ids
-from blockdraft.target_files import target_gguf
+from blockdraft.target.files import target_gguf
 
 torch.set_num_threads(int(os.environ.get("REFERENCE_THREADS", "2")))
 ROOT = Path(__file__).resolve().parents[1]

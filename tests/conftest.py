@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft.tiny import ARCHS, tiny_causal_lm as _tiny_causal_lm  # noqa: F401
+from blockdraft.target.tiny import ARCHS, tiny_causal_lm as _tiny_causal_lm  # noqa: F401
 
 # Tiny models gain nothing from threads, and OpenMP barriers stall badly on a busy 2-core machine.
 torch.set_num_threads(1)
@@ -15,7 +15,7 @@ V = 160
 
 
 def tiny_causal_lm(arch: str, *, vocab: int = V, layers: int = 6, hidden: int = 32, seed: int = 0):
-    """A randomly initialised causal LM of the given family (blockdraft.tiny)."""
+    """A randomly initialised causal LM of the given family (blockdraft.target.tiny)."""
     return _tiny_causal_lm(arch, vocab=vocab, layers=layers, hidden=hidden, seed=seed)
 
 

@@ -169,7 +169,7 @@ def pickled_target(tmp_path):
 
 def test_a_target_of_pickled_weights_only_is_refused_naming_the_conversion(tmp_path, capsys, monkeypatch):
     from blockdraft.target import TargetModel
-    from blockdraft.target_files import resolve_target
+    from blockdraft.target.files import resolve_target
 
     d, model = pickled_target(tmp_path)
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a pickle was loaded"))

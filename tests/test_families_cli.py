@@ -1,7 +1,7 @@
 """Every family people train drafters for, through the commands a user runs, with default flags:
 `doctor --target`, a short `train`, `doctor --drafter` (greedy identity included) and both exports.
 
-Each target is a tiny random model of the family (blockdraft.tiny: the family's quirk switched on,
+Each target is a tiny random model of the family (blockdraft.target.tiny: the family's quirk switched on,
 norm gains random) saved with save_pretrained beside SmolLM2's tokenizer, so the CLI loads it as
 it loads a user's directory. Only run-size flags are passed (steps, lengths, one thread) and
 --verifier for the exports (the target is not under the working directory). The speculative
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from blockdraft.cli import main
-from blockdraft.tiny import ALL_ARCHS, RECURRENT_ARCHS, tiny_causal_lm
+from blockdraft.target.tiny import ALL_ARCHS, RECURRENT_ARCHS, tiny_causal_lm
 
 pytestmark = pytest.mark.slow  # ~8 s a family, 22 families
 
@@ -29,7 +29,7 @@ INIT_SAYS = {"cohere": "final norm is not an RMSNorm blockdraft can copy: the dr
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from blockdraft.target_files import random_target_tokenizer
+    from blockdraft.target.files import random_target_tokenizer
 
     try:
         return random_target_tokenizer()

@@ -1,4 +1,4 @@
-"""Target-family quirks (blockdraft.family) and the initialisations that use them: where target
+"""Target-family quirks (blockdraft.target.family) and the initialisations that use them: where target
 weights are copied into a drafter layer, the drafter's piece computes the target's function."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from blockdraft.config import DrafterConfig
-from blockdraft.family import describe, final_norm, norm_rule, pre_mlp_norm, rms_norm_scale
+from blockdraft.target.family import describe, final_norm, norm_rule, pre_mlp_norm, rms_norm_scale
 from blockdraft.model import DFlashDrafter
-from blockdraft.model.drafter import init_from_target_layers
+from blockdraft.train.build import init_from_target_layers
 from blockdraft.target import TargetModel
-from blockdraft.tiny import ALL_ARCHS, tiny_causal_lm
+from blockdraft.target.tiny import ALL_ARCHS, tiny_causal_lm
 
 ALL = ALL_ARCHS
 ONE_PLUS_W = {"gemma2", "gemma3", "qwen3_next", "qwen3_5"}

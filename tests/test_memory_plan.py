@@ -183,13 +183,13 @@ def test_plan_run_under_torchrun_and_without():
 
 
 def test_plan_run_asks_the_installed_transformers_for_a_boolean_logits_to_keep(monkeypatch):
-    import blockdraft.target
+    import blockdraft.target.model
 
     cfg, run = memory_plan.config_of(TINY), memory_plan.run_config(TINY_FLAGS)
     full = 2 * 256 * 1024 * 2  # 2 rows x 256 tokens x the vocabulary, bf16
     assert plan_run(cfg, run, bool_logits_to_keep=False).parts["target full logits"] == full
     assert "target full logits" not in plan_run(cfg, run, bool_logits_to_keep=True).parts
-    monkeypatch.setattr(blockdraft.target, "mask_keep_supported", lambda: False)
+    monkeypatch.setattr(blockdraft.target.model, "mask_keep_supported", lambda: False)
     assert plan_run(cfg, run).parts["target full logits"] == full
-    monkeypatch.setattr(blockdraft.target, "mask_keep_supported", lambda: True)
+    monkeypatch.setattr(blockdraft.target.model, "mask_keep_supported", lambda: True)
     assert "target full logits" not in plan_run(cfg, run).parts

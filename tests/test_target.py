@@ -7,8 +7,8 @@ import torch
 
 from blockdraft.config import default_target_layer_ids
 from blockdraft.target import TargetModel, hidden_states_index, layer_id_from_hidden_states_index
-from blockdraft.family import final_norm
-from blockdraft.tiny import ALL_ARCHS
+from blockdraft.target.family import final_norm
+from blockdraft.target.tiny import ALL_ARCHS
 from conftest import ARCHS, V, tiny_causal_lm, tiny_target
 
 
@@ -52,7 +52,7 @@ def test_features_equal_output_hidden_states(arch):
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_logits_equal_the_models_own_logits(arch, mask_keep, monkeypatch):
     """Also with a transformers too old for a boolean logits_to_keep (the reference packages pin one)."""
-    import blockdraft.target as bt
+    import blockdraft.target.model as bt
 
     if mask_keep and not bt.mask_keep_supported():
         pytest.skip("this transformers has no boolean logits_to_keep")
@@ -300,7 +300,7 @@ def test_a_target_is_loaded_straight_onto_its_device_in_its_dtype(tmp_path, monk
     and the precision; a head-only target takes the training precision too."""
     import transformers
 
-    from blockdraft.tiny import tiny_causal_lm
+    from blockdraft.target.tiny import tiny_causal_lm
 
     tiny_causal_lm("llama", vocab=160, layers=2, hidden=32).save_pretrained(tmp_path / "t")
     tok_dir = resolve_tokenizer_dir()
@@ -316,7 +316,7 @@ def test_a_target_is_loaded_straight_onto_its_device_in_its_dtype(tmp_path, monk
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
     t = TargetModel.from_pretrained(str(tmp_path / "t"), device="cpu", layer_ids=[0])
     assert seen[-1]["device_map"] == {"": "cpu"} and seen[-1]["dtype"] == torch.float32
-    from blockdraft.target_files import default_dtype
+    from blockdraft.target.files import default_dtype
 
     assert default_dtype("cuda:3") == torch.bfloat16 and default_dtype("cpu") == torch.float32
     h = TargetModel.head_only(str(tmp_path / "t"), layer_ids=[0], dtype=torch.bfloat16)

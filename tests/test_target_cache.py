@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from blockdraft import target_cache
+from blockdraft.target import cache as target_cache
 from blockdraft.locks import host
 from blockdraft.ownership import MARKER, read_marker
 from conftest import dead_pid
@@ -30,8 +30,8 @@ import os, sys, time
 import torch
 sys.path.insert(0, sys.argv[3])
 from conftest import tiny_causal_lm
-from blockdraft import target_cache
-from blockdraft.target_files import resolve_target
+from blockdraft.target import cache as target_cache
+from blockdraft.target.files import resolve_target
 
 def cheap_load(path):
     from tokenizers import Tokenizer

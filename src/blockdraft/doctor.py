@@ -78,7 +78,7 @@ def check_labels(target, drafter, sample_ids: torch.Tensor) -> Check:
     if head_err > 1e-3 * max(1.0, scale):
         return Check("labels", FAIL, f"the target's head on its final normed state differs from its logits by "
                      f"{head_err:.3g}: this family scales or caps its logits in a way blockdraft does not apply",
-                     "report the family (blockdraft.family.logit_transform)")
+                     "report the family (blockdraft.target.family.logit_transform)")
     return Check("labels", PASS, f"labels equal model(input_ids).logits at a+k-1 (max diff {err:.2g}), and so does "
                  f"the head on the cached final state ({head_err:.2g})")
 
@@ -129,7 +129,7 @@ def check_pairing(target, drafter) -> Check:
 
 
 def check_family(target) -> Check:
-    from .family import describe
+    from .target.family import describe
 
     fam = describe(target.model)
     note = "" if fam.mlp_activation == "silu" else f"; its {fam.mlp_activation} MLP is not copied into the drafter"
@@ -281,7 +281,7 @@ def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
 
 
 def _target_gguf(drafter) -> str:
-    from .target_files import target_gguf
+    from .target.files import target_gguf
 
     found = target_gguf(drafter.config.target_name)
     if found is None:
@@ -490,7 +490,7 @@ def doctor_main(target_name: str, drafter_path: str | None, data: str | None, de
     except ValueError as e:
         return [Check("layer ids", FAIL, str(e), "the checkpoint's target_layer_ids do not fit this target")]
     if target_gguf is None:
-        from .target_files import target_gguf as find
+        from .target.files import target_gguf as find
 
         found = find(target_name)
         target_gguf = None if found is None else str(found)

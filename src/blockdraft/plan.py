@@ -190,7 +190,7 @@ def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_p
     memory (sizes the CUDA loss chunk); `full_target_logits`: the target makes its [Bz, T, V]
     logits before the label rows are picked (a transformers without a boolean logits_to_keep)."""
     c = 2 if cuda else 4  # bf16 autocast on CUDA; fp32 on the CPU
-    c_t = c  # the frozen target's dtype (target_files.default_dtype)
+    c_t = c  # the frozen target's dtype (target/files.py: default_dtype)
     backend = backend or ("flex" if cuda else "chunked")
     p = Plan()
     _target_parts(p, target_params, head_only_params, features_cache, target_shards, target_layer_params,
@@ -335,12 +335,12 @@ def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids
     launched by torchrun, which makes a process group even for one GPU (NCCL's buffers; --fsdp
     shards over that one rank); `device_bytes`: each GPU's memory (default an H200's);
     `bool_logits_to_keep`: whether the transformers to plan for takes a boolean logits_to_keep
-    (default: ask the installed one, target.mask_keep_supported); without it the target's full
+    (default: ask the installed one, target/model.py: mask_keep_supported); without it the target's full
     logits are made before the label rows are picked."""
     from types import SimpleNamespace
 
     from .config import DrafterConfig, default_target_layer_ids
-    from .target import mask_keep_supported
+    from .target.model import mask_keep_supported
 
     t = target_sizes(target_config)
     ids = layer_ids or run.target.layer_ids or default_target_layer_ids(t["layers"], run.target.num_features)

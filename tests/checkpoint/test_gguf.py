@@ -22,7 +22,7 @@ from blockdraft.checkpoint.formats import gguf as fmt
 from blockdraft.checkpoint.native import export_gguf
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
-from blockdraft.target_files import target_gguf
+from blockdraft.target.files import target_gguf
 from conftest import tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,9 +220,9 @@ def test_gguf_refuses_out_of_range_values_in_one_line(tmp_path):
 
 
 def test_gguf_refuses_a_target_with_another_tokenizer_of_the_same_shape(tmp_path):
-    """The drafter's stored tokenizer hash (target_files.tokenizer_hash: the (token, id) pairs) against
+    """The drafter's stored tokenizer hash (target.files.tokenizer_hash: the (token, id) pairs) against
     the target GGUF's tokens: the same count, hidden size and depth is not the same tokenizer."""
-    from blockdraft.target_files import tokens_hash
+    from blockdraft.target.files import tokens_hash
 
     t = tiny_target("qwen3")
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
@@ -237,7 +237,7 @@ def test_gguf_refuses_a_target_with_another_tokenizer_of_the_same_shape(tmp_path
 
 
 def test_the_tokenizer_hash_of_a_gguf_is_the_one_of_its_transformers_tokenizer(smollm2_tokenizer):
-    from blockdraft.target_files import tokenizer_hash, tokens_hash
+    from blockdraft.target.files import tokenizer_hash, tokens_hash
 
     r, _ = values(target_gguf("smollm2"))
     assert tokens_hash(r.fields["tokenizer.ggml.tokens"].contents()) == tokenizer_hash(smollm2_tokenizer)

@@ -14,7 +14,7 @@ from blockdraft.data.regenerate import done_hashes, prompt_hash, regenerate
 
 def tiny_pair(tok):
     from blockdraft.target import TargetModel
-    from blockdraft.tiny import tiny_causal_lm
+    from blockdraft.target.tiny import tiny_causal_lm
 
     return TargetModel(tiny_causal_lm("llama", vocab=len(tok), layers=2), tok, [0], name="tiny")
 

@@ -13,7 +13,7 @@ from blockdraft.config import DrafterConfig
 from blockdraft.generate import accept_greedy, speculative_generate
 from blockdraft.model import BlockLayout, DFlashDrafter
 from blockdraft.generate.recurrent import RecurrentRollback, recurrent_layers
-from blockdraft.tiny import RECURRENT_ARCHS
+from blockdraft.target.tiny import RECURRENT_ARCHS
 from conftest import V, tiny_target
 
 

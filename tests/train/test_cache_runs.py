@@ -21,7 +21,7 @@ TRAIN = ["--batch-tokens", "256", "--max-anchors", "16", "--draft-vocab", "full"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_tokenizer):
-    from blockdraft.tiny import tiny_causal_lm
+    from blockdraft.target.tiny import tiny_causal_lm
 
     d = tmp_path_factory.mktemp("tiny-target")
     tiny_causal_lm("llama", vocab=len(smollm2_tokenizer), layers=8, hidden=32, max_positions=1024).save_pretrained(d)

@@ -295,6 +295,7 @@ def test_an_nccl_group_is_bound_to_the_ranks_gpu_with_a_long_timeout(monkeypatch
     timeout covering rank 0's longest lone work; collectives then run on that device."""
     import datetime
 
+    import blockdraft.process_group as pg
     import blockdraft.train.distributed as bd
 
     seen = {}
@@ -305,16 +306,16 @@ def test_an_nccl_group_is_bound_to_the_ranks_gpu_with_a_long_timeout(monkeypatch
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
-    monkeypatch.setattr(bd, "_COMM_DEVICE", None)
+    monkeypatch.setattr(pg, "_COMM_DEVICE", None)
     assert bd.init_from_env("cuda", timeout_min=90) == (3, 4, "cuda:3")
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda:3") and seen["set_device"] == 3
     assert seen["timeout"] == datetime.timedelta(minutes=90)
-    assert bd._COMM_DEVICE == torch.device("cuda:3")
+    assert pg._COMM_DEVICE == torch.device("cuda:3")
     seen.clear()
     bd.init_from_env("cpu")
     assert seen["backend"] == "gloo" and "device_id" not in seen
     assert seen["timeout"] == datetime.timedelta(minutes=bd.DEFAULT_TIMEOUT_MIN)
-    assert bd._COMM_DEVICE == torch.device("cpu")
+    assert pg._COMM_DEVICE == torch.device("cpu")
 
 
 def test_the_drafter_is_sharded_at_the_precision_it_trains_at(monkeypatch):

@@ -28,7 +28,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, smollm2_dir):
     """A tiny Llama on disk, with SmolLM2's tokenizer (its vocabulary covers the tokenizer's ids)."""
-    from blockdraft.tiny import tiny_causal_lm
+    from blockdraft.target.tiny import tiny_causal_lm
 
     d = tmp_path_factory.mktemp("tiny-target")
     tiny_causal_lm("llama", vocab=49280, layers=4, hidden=32, seed=3).save_pretrained(d)
@@ -41,7 +41,7 @@ def forward_worker(rank, world, port, target_dir, out):
     from torch.distributed.fsdp import FSDPModule
 
     from blockdraft.target import TargetModel
-    from blockdraft.target_shard import gathered
+    from blockdraft.target.shard import gathered
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -143,8 +143,8 @@ def differing_worker(rank, world, port, out):
     `_keep_in_fp32_modules_strict`) where rank 1, built from the config, has it in bf16."""
     import datetime
 
-    from blockdraft.target_shard import load_sharded
-    from blockdraft.tiny import tiny_causal_lm
+    from blockdraft.target.shard import load_sharded
+    from blockdraft.target.tiny import tiny_causal_lm
 
     def build(device):
         model = tiny_causal_lm("llama", vocab=256, layers=3, hidden=32, device=device, dtype=torch.bfloat16)

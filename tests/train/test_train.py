@@ -12,7 +12,7 @@ from blockdraft.model import DFlashDrafter
 from blockdraft.model.blocks import supervised_slots
 from blockdraft.train import (Batch, accepted_lengths, compute_loss, dflash_loss, eligible_anchors, prepare,
                               sample_anchors, slot_weights, train_step)
-from blockdraft.tiny import ALL_ARCHS
+from blockdraft.target.tiny import ALL_ARCHS
 from conftest import ARCHS, V, tiny_target
 
 

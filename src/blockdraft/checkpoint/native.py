@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from ..atomic import atomic_dir
 from ..finite import require_finite
 from ..model import DFlashDrafter
+from ..target.files import head_rows
 from . import formats
 from .formats import Difference, Export
 
@@ -128,26 +129,13 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dty
 
 def default_verifier(target_name: str | None) -> str | None:
     """The local directory of the target a drafter was trained for, when it can be found offline."""
-    from ..target import EMBEDDED, resolve_target
+    from ..target.files import EMBEDDED, resolve_target
 
     if not target_name:
         return None
     if target_name in EMBEDDED or Path(target_name).is_dir():
         return str(resolve_target(target_name)[0])
     return None
-
-
-def head_rows(verifier: str, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the verifier's output head, read from its safetensors (tied heads: the embedding)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(verifier).glob("*.safetensors"))
-    for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
-        for f in files:
-            with safe_open(str(f), "pt") as fh:
-                if name in fh.keys():
-                    return fh.get_tensor(name)[ids.cpu()].float()
-    raise ValueError(f"{verifier} has no lm_head.weight or embed_tokens.weight in its safetensors files")
 
 
 def export_drafter(drafter: DFlashDrafter, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
@@ -176,7 +164,7 @@ def export_gguf(drafter: DFlashDrafter, dst: str | os.PathLike, *, target_gguf: 
     loads (default: the embedded target's own GGUF). Refused where llama.cpp would compute another
     function, unless `allow_mismatch`; an existing `dst` is refused unless `overwrite` and a
     `blockdraft convert` wrote it."""
-    from ..target_files import target_gguf as find_target_gguf
+    from ..target.files import target_gguf as find_target_gguf
     from .formats import gguf
 
     cfg = drafter.config

@@ -1,14 +1,18 @@
 """The drafter a training run starts from: its layout (DrafterOptions), draft vocabulary and
-initialisation from the target (through blockdraft.family, the quirks' one owner)."""
+initialisation from the target (through target/family.py, the quirks' one owner)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..config import KIND_FIELDS, KINDS, WINDOW_QUERY, WINDOW_RULES
 from ..options import existing, opt
+from ..target.family import final_norm, mlp_activation, pre_mlp_norm, rms_norm_scale
+from ..target.layers import find_decoder_layers
+from ..target.shard import gathered
 
 
 @dataclass
@@ -115,8 +119,6 @@ def frequent_tokens(rows: dict, vocab_size: int, size: int) -> torch.Tensor:
 def norm_scale(norm, what: str, fallback: str) -> torch.Tensor:
     """The effective scale of a target norm (family.rms_norm_scale: Gemma-style 1 + w measured, not
     guessed), or a ValueError naming the init flag to change."""
-    from ..family import rms_norm_scale
-
     scale = rms_norm_scale(norm) if norm is not None else None
     if scale is None:
         raise ValueError(f"the target's {what} is not an RMSNorm blockdraft can copy; use {fallback}")
@@ -128,8 +130,6 @@ def init_final_norm_from_target(drafter, target) -> None:
     """Start the drafter's output scale at the target's own final-norm scale (Gemma norms scale by
     1 + w), or a ValueError saying why it cannot (a LayerNorm as Cohere's, no final norm of the
     drafter's width)."""
-    from ..family import final_norm
-
     norm = final_norm(target.model)
     w = None if norm is None else getattr(norm, "weight", None)
     if w is None or w.is_meta or w.shape != drafter.norm.weight.shape:
@@ -143,8 +143,6 @@ def init_context_from_top_feature(drafter, target) -> None:
     last captured layer's hidden state through unchanged (the other layers start at zero) and
     hidden_norm takes the scale of the top layer's input norm. Train with the feature scale
     applied function-preservingly (the trainer's keep_function)."""
-    from ..target import find_decoder_layers
-
     cfg = drafter.config
     Ht = cfg.target_hidden_size
     if cfg.hidden_size != Ht:
@@ -160,11 +158,90 @@ def init_context_from_top_feature(drafter, target) -> None:
     drafter.hidden_norm.weight.copy_(norm_scale(ln, "top layer's input norm", "--context-init random"))
 
 
+def _same_linear(src: nn.Module | None, dst: nn.Module) -> bool:
+    """Whether copying `src` into `dst` gives `dst` src's function: equal weight shapes, and a bias
+    where src has a nonzero one (a dropped bias, as gpt-oss's, would change it)."""
+    w = getattr(src, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape != dst.weight.shape:
+        return False
+    b = getattr(src, "bias", None)
+    if dst.bias is None:
+        return b is None or not bool(b.detach().abs().max() > 0)
+    return b is None or b.shape == dst.bias.shape
+
+
+def _copy_linear(src: nn.Module, dst: nn.Module) -> list[str]:
+    dst.weight.copy_(src.weight.to(dst.weight))
+    names = ["weight"]
+    if dst.bias is not None:
+        b = getattr(src, "bias", None)
+        dst.bias.copy_(b.to(dst.bias) if b is not None else torch.zeros_like(dst.bias))
+        names.append("bias")
+    return names
+
+
+def _target_mlp_parts(t_mlp: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, nn.Module] | None:
+    """(gate, up, down) of a dense gated MLP, whether its gate and up projections are separate
+    (Llama) or fused as gate_up_proj, gate first (Phi-3, GLM-4); None for a mixture of experts
+    or another shape."""
+    if t_mlp is None:
+        return None
+    down = getattr(t_mlp, "down_proj", None)
+    if not isinstance(down, nn.Linear) or down.bias is not None:
+        return None
+    gate, up = getattr(t_mlp, "gate_proj", None), getattr(t_mlp, "up_proj", None)
+    if isinstance(gate, nn.Linear) and isinstance(up, nn.Linear) and gate.bias is None and up.bias is None:
+        return gate.weight, up.weight, down
+    fused = getattr(t_mlp, "gate_up_proj", None)
+    if isinstance(fused, nn.Linear) and fused.bias is None and fused.weight.shape[0] % 2 == 0:
+        g, u = fused.weight.chunk(2, dim=0)
+        return g, u, down
+    return None
+
+
+@torch.no_grad()
+def init_from_target_layers(drafter, target_layers, target_config) -> list[str]:
+    """Start the drafter layers from target decoder layers (e.g. its top ones), piece by piece by
+    role, where the piece computes the same function in the drafter: the attention projections
+    when all four (q, k, v, o) have the drafter's shapes and biases (not MLA's latent projections);
+    norms as their measured effective scale (Gemma's 1 + w becomes the drafter's w; a LayerNorm is
+    not copied); a dense MLP when the target's activation is the drafter's (silu), its gate and up
+    projections split from a fused gate_up_proj where the family fuses them (not a mixture of
+    experts). Returns the copied names (`layers.{i}.input_layernorm.weight`, ...); fc and the
+    drafter's own norms keep their initialisation."""
+    same_act = mlp_activation(target_config) == drafter.config.hidden_act
+    copied = []
+    for i, (d_layer, t_layer) in enumerate(zip(drafter.layers, target_layers)):
+        t_attn = getattr(t_layer, "self_attn", None)
+        norms = {"input_layernorm": getattr(t_layer, "input_layernorm", None),
+                 "post_attention_layernorm": pre_mlp_norm(t_layer),
+                 "self_attn.q_norm": getattr(t_attn, "q_norm", None), "self_attn.k_norm": getattr(t_attn, "k_norm", None)}
+        for name, t_norm in norms.items():
+            scale = None if t_norm is None else rms_norm_scale(t_norm)
+            mine = d_layer.get_submodule(name).weight
+            if scale is not None and scale.shape == mine.shape:
+                mine.copy_(scale.to(mine))
+                copied.append(f"layers.{i}.{name}.weight")
+        projs = [f"{p}_proj" for p in "qkvo"]
+        if t_attn is not None and all(_same_linear(getattr(t_attn, p, None), getattr(d_layer.self_attn, p))
+                                      for p in projs):
+            for p in projs:
+                copied += [f"layers.{i}.self_attn.{p}.{n}" for n in _copy_linear(getattr(t_attn, p),
+                                                                                  getattr(d_layer.self_attn, p))]
+        parts = _target_mlp_parts(getattr(t_layer, "mlp", None)) if same_act else None
+        mlp = d_layer.mlp
+        if parts is not None and (parts[0].shape, parts[1].shape, parts[2].weight.shape) == \
+                (mlp.gate_proj.weight.shape, mlp.up_proj.weight.shape, mlp.down_proj.weight.shape) \
+                and mlp.gate_proj.bias is None and mlp.down_proj.bias is None:
+            mlp.gate_proj.weight.copy_(parts[0].to(mlp.gate_proj.weight))
+            mlp.up_proj.weight.copy_(parts[1].to(mlp.up_proj.weight))
+            mlp.down_proj.weight.copy_(parts[2].weight.to(mlp.down_proj.weight))
+            copied += [f"layers.{i}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    return copied
+
+
 def _init_from_target(drafter, target, opts: DrafterOptions) -> None:
     """The structured initialisations; a sharded target's top layers are gathered whole for them."""
-    from ..target import find_decoder_layers
-    from ..target_shard import gathered
-
     top = list(find_decoder_layers(target.model, target.num_layers))[-max(1, opts.draft_layers):]
     with gathered(top):
         _init_pieces(drafter, target, opts)
@@ -173,9 +250,6 @@ def _init_from_target(drafter, target, opts: DrafterOptions) -> None:
 def _init_pieces(drafter, target, opts: DrafterOptions) -> None:
     """Each initialisation that applies to this target's family; one that cannot (a LayerNorm, an
     MLA attention, a mixture of experts) leaves that piece at the drafter's own start and says so."""
-    from ..model.drafter import init_from_target_layers
-    from ..target import find_decoder_layers
-
     if opts.init_from_target:
         layers = find_decoder_layers(target.model, target.num_layers)
         top = list(layers)[target.num_layers - opts.draft_layers:]

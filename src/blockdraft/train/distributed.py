@@ -4,8 +4,9 @@
 backend is nccl on CUDA and gloo on CPU. A single process needs none of it.
 
 DESIGN.md section 5, rule 1: a collective's tensors live on the device its backend serves
-(nccl: this rank's cuda device; gloo: the CPU). `comm_device()` is that device, and every
-tensor this module hands to a collective is made there; metrics, counts and barriers included.
+(nccl: this rank's cuda device; gloo: the CPU). `comm_device()` (process_group.py, where a sharded
+target reads it too) is that device, and every tensor this module hands to a collective is made
+there; metrics, counts and barriers included.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..process_group import backend_device, comm_device, grouped, joined, set_comm_device
+
 # how long a collective may wait for a rank doing work alone (rank 0 writing a checkpoint or the
 # final drafter, a slow first compile) before the watchdog calls the run dead
 DEFAULT_TIMEOUT_MIN = 60.0
-_COMM_DEVICE: torch.device | None = None
 
 
 def world() -> tuple[int, int]:
@@ -29,35 +31,12 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def grouped() -> bool:
-    """Whether this process is in a process group. Under torchrun it is even alone (one GPU): the
-    collectives then run for real, on nccl too, so a single-GPU run exercises what N GPUs do."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def backend_device(backend: str, device: str | torch.device) -> torch.device:
-    """The device whose tensors `backend` reduces: cuda for nccl, the CPU for gloo."""
-    return torch.device(device) if backend == "nccl" else torch.device("cpu")
-
-
-def comm_device() -> torch.device:
-    """Where this process's collective tensors must live (the CPU outside torch.distributed)."""
-    if _COMM_DEVICE is not None:
-        return _COMM_DEVICE
-    if grouped():  # a group made by someone else (tests, a launcher): ask its backend
-        backend = dist.get_backend()
-        if backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def init_from_env(device: str, timeout_min: float | None = None) -> tuple[int, int, str]:
     """Join the process group torchrun describes (also a group of one: torchrun on one GPU); returns
     (rank, world, this rank's device). Without torchrun's environment no group is made.
 
     nccl gets the rank's device (`device_id`: the group is bound to it, barriers use it) and
     both backends a `timeout` long enough for the longest work one rank does alone."""
-    global _COMM_DEVICE
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if not (size > 1 or launched) or grouped():
@@ -72,19 +51,18 @@ def init_from_env(device: str, timeout_min: float | None = None) -> tuple[int, i
         kw["device_id"] = torch.device(device)
     minutes = DEFAULT_TIMEOUT_MIN if timeout_min is None else float(timeout_min)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=minutes), **kw)
-    _COMM_DEVICE = backend_device(backend, device)
+    set_comm_device(backend_device(backend, device))
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def leave() -> None:
     """Leave the process group this module joined (at the end of a command)."""
-    global _COMM_DEVICE
-    if _COMM_DEVICE is not None and grouped():
+    if joined() and grouped():
         # every rank gets here only after a clean finish; leaving together keeps a rank's teardown
         # from cutting a peer's connection while it still sends (gloo aborts the peer then)
         dist.barrier()
         dist.destroy_process_group()
-    _COMM_DEVICE = None
+    set_comm_device(None)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -63,10 +63,10 @@ def _numeric(draft_vocab) -> bool:
 
 def target_vocab(name: str) -> int | None:
     """The target's vocabulary from its config alone (no weights), None where the config cannot say."""
-    from ..target_files import is_random, resolve_target
+    from ..target.files import is_random, resolve_target
 
     if is_random(name):
-        from ..tiny import random_preset
+        from ..target.tiny import random_preset
 
         return int(random_preset(name)["vocab"])
     local, _ = resolve_target(name)

@@ -121,7 +121,7 @@ def check_target(reader, cfg: DrafterConfig, path: Path) -> None:
     if len(tokens.data) != cfg.vocab_size:
         raise ValueError(f"{path} has {len(tokens.data)} tokens, the drafter's vocabulary has {cfg.vocab_size}")
     if cfg.tokenizer_hash:  # same shape, another tokenizer: the drafts would be other tokens' ids
-        from ...target_files import tokens_hash
+        from ...target.files import tokens_hash
 
         got = tokens_hash(tokens.contents())
         if got != cfg.tokenizer_hash:

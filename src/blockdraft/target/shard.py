@@ -19,6 +19,10 @@ import contextlib
 import torch
 from torch import nn
 
+from ..process_group import comm_device
+from .layers import find_decoder_layers, text_config
+from .tiny import own_rng
+
 
 def _states(module: nn.Module, skip=()):
     """(name, store, key, tensor) of each parameter and buffer of `module` outside the submodules in
@@ -161,14 +165,9 @@ def load_sharded(local, *, dtype: torch.dtype, device: str, build=None):
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .target import find_decoder_layers, text_config
-    from .train.distributed import comm_device
-
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("--target-fsdp shards the target over the ranks of a torchrun launch; run under "
                          "torchrun (or drop --target-fsdp)")
-    from .tiny import own_rng
-
     with own_rng(device):  # loading on the host and building on meta must leave every rank's RNG alike
         if build is not None:
             model = build(device if dist.get_rank() == 0 else "meta")

@@ -2,8 +2,8 @@
 
 Legend: Bz batch rows, T tokens, F feature layers, Ht target hidden size, V vocabulary.
 
-Clause 1 owner: `hidden_states_index` holds the one "+1" between a layer id and the
-transformers `output_hidden_states` tuple; features are captured by forward hooks on the
+Clause 1 owner (with layers.py, where `hidden_states_index` holds the one "+1" between a layer id
+and the transformers `output_hidden_states` tuple): features are captured by forward hooks on the
 chosen decoder layers only, so the other n - F hidden states are never kept.
 
 Clause 3 owner: `TargetModel.__call__` returns the logits of the model's own forward
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import default_target_layer_ids, validate_layer_ids
-from .target_files import (EMBEDDED, SPREAD_NAMES, TargetFiles, TargetOptions, _special_ids,  # noqa: F401
-                           cache_dir, default_dtype, is_random, load_tokenizer, pick_device, pick_mask_token, resolve_target, spread_kwargs,
-                           stop_token_ids, target_num_layers, tokenizer_hash)
+from ..config import default_target_layer_ids, validate_layer_ids
+from ..model.linear import few_rows_linear, use_few_rows_linears
 from .family import document_starts, isolates_packed_documents, logit_transform, output_logits
-from .model.linear import few_rows_linear, use_few_rows_linears
-
+from .files import default_dtype, pick_mask_token, special_ids, tokenizer_hash
+from .files import head_rows as stored_head_rows
+from .layers import find_decoder_layers, text_config
+from .load import TargetSource, load_head_only, load_model, random_source, resolve_source, spreads
 
 
 @functools.cache
@@ -40,49 +40,11 @@ def mask_keep_supported() -> bool:
     return True
 
 
-def hidden_states_index(layer_id: int) -> int:
-    """Clause 1: the output of decoder layer L is `hidden_states[L + 1]` in transformers'
-    `output_hidden_states` tuple (index 0 is the embedding output). It is also the
-    speculators-format id, which names the *input* of layer L + 1."""
-    return int(layer_id) + 1
-
-
-def layer_id_from_hidden_states_index(index: int) -> int:
-    """Inverse of `hidden_states_index`."""
-    return int(index) - 1
-
-
 @dataclass
 class TargetOutput:
     features: torch.Tensor  # [Bz, T, F*Ht] outputs of the chosen layers, concatenated in config order
     logits: torch.Tensor | None  # [Bz, T, V], or [P, V] at the positions of a boolean logits mask
     final_hidden: torch.Tensor | None = None  # [Bz, T, Ht] after the final norm (head(final_hidden) == logits)
-
-
-def final_norm_of(model: nn.Module) -> nn.Module:
-    """family.final_norm, or a ValueError naming the base's modules."""
-    from .family import final_norm
-
-    mod = final_norm(model)
-    if mod is None:
-        base = getattr(model, "model", model)
-        raise ValueError(f"{type(model).__name__} has no final norm that blockdraft can find (its base holds "
-                         f"{', '.join(n for n, _ in base.named_children())})")
-    return mod
-
-
-def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The ModuleList of decoder layers (Llama/Qwen/Mistral/Gemma: `*.layers`)."""
-    for name, mod in model.named_modules():
-        if name.endswith("layers") and isinstance(mod, nn.ModuleList) and len(mod) == num_layers:
-            if "vision" not in name and "audio" not in name:
-                return mod
-    raise ValueError(f"could not find the {num_layers} decoder layers of {type(model).__name__}")
-
-
-def text_config(model: nn.Module):
-    cfg = model.config
-    return getattr(cfg, "text_config", None) or cfg
 
 
 def is_recording(cache) -> bool:
@@ -133,33 +95,37 @@ class TargetModel(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike = "smollm2", *, layer_ids: list[int] | None = None,
                         num_features: int = 5, dtype: torch.dtype | None = None, device: str | None = None,
                         mask_token_id: int | None = None, shard: bool = False, **model_kwargs) -> "TargetModel":
-        """`shard`: the decoder layers sharded over this process group (target_shard, --target-fsdp)."""
-        from transformers import AutoModelForCausalLM
+        """The target `path` names: the embedded name, a local transformers directory, a .gguf file or
+        `random:NAME` (load.resolve_source), then loaded as `from_source` says. `shard`: the decoder
+        layers sharded over this process group (shard.py, --target-fsdp); `model_kwargs`: transformers'
+        from_pretrained keywords (a `device_map` spreads the model: --target-device-map)."""
+        return cls.from_source(resolve_source(path), layer_ids=layer_ids, num_features=num_features, dtype=dtype,
+                               device=device, mask_token_id=mask_token_id, shard=shard, **model_kwargs)
 
-        if dtype is None:
-            dtype = default_dtype(device)
-        if is_random(path):
-            return cls.random(str(path), layer_ids=layer_ids, num_features=num_features, dtype=dtype, device=device,
-                              mask_token_id=mask_token_id, shard=shard)
-        local, name = resolve_target(path)
-        spread = model_kwargs.get("device_map") is not None
-        if shard:
-            if spread:
-                raise ValueError("--target-fsdp and --target-device-map both place the target: use one")
-            from .target_shard import load_sharded
+    @classmethod
+    def random(cls, spec: str, *, layer_ids: list[int] | None = None, num_features: int = 5,
+               dtype: torch.dtype | None = None, device: str | None = None,
+               mask_token_id: int | None = None, shard: bool = False) -> "TargetModel":
+        """`random:NAME` (tiny.RANDOM_PRESETS): a random target of a real shape built on `device`, with
+        SmolLM2's tokenizer; no files, no download. `shard`: built by rank 0 and sharded over the
+        process group (shard.py)."""
+        return cls.from_source(random_source(spec), layer_ids=layer_ids, num_features=num_features, dtype=dtype,
+                               device=device, mask_token_id=mask_token_id, shard=shard)
 
-            model = load_sharded(local, dtype=dtype, device=device or "cpu")
-        else:
-            if not spread:
-                model_kwargs.pop("device_map", None)
-                if device is not None:  # loaded straight onto its device, not staged in host RAM first
-                    model_kwargs["device_map"] = {"": str(device)}
-            model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, use_safetensors=True, **model_kwargs)
-        tok = load_tokenizer(local)
+    @classmethod
+    def from_source(cls, source: TargetSource, *, layer_ids: list[int] | None = None, num_features: int = 5,
+                    dtype: torch.dtype | None = None, device: str | None = None, mask_token_id: int | None = None,
+                    shard: bool = False, **model_kwargs) -> "TargetModel":
+        """The target of a resolved source (load.py), top to bottom: its model built or loaded on
+        `device` in `dtype` (default: default_dtype) and, with `shard`, sharded by decoder layer over
+        this process group (load.load_model); then its feature layers hooked (__init__)."""
+        dtype = default_dtype(device) if dtype is None else dtype
+        model = load_model(source, dtype=dtype, device=device, shard=shard, **model_kwargs)
         # a spread model (device_map) hands its outputs to the drafter's device
-        target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id,
-                     output_device=(device or "cpu") if spread else None)
-        target.local_dir = local
+        output_device = (device or "cpu") if spreads(source, model_kwargs) else None
+        target = cls(model, source.tokenizer, layer_ids, num_features=num_features, name=source.name,
+                     mask_token_id=mask_token_id, output_device=output_device)
+        target.local_dir = source.local_dir
         target.sharded = shard  # its forward is then a collective: every rank runs the same ones
         return target
 
@@ -171,68 +137,16 @@ class TargetModel(nn.Module):
         device): enough to train from a feature cache, which never runs the target. Loaded in the
         training precision (default: bf16 on CUDA), so no loss chunk recasts a 150k-row head.
         `final_norm`: its final norm too (what turns an engine's last-layer output into the final
-        state the head reads: `extract --engine vllm`)."""
+        state the head reads: `extract --engine vllm`). A `random:` target is built whole (the same
+        weights as the run that extracted), then its layers dropped (load.load_head_only)."""
         dtype = dtype or default_dtype(device)
-        if is_random(path):  # built whole (the same weights as the run that extracted), then its layers dropped
-            target = cls.random(str(path), layer_ids=layer_ids, num_features=num_features, dtype=dtype, device=device,
-                                mask_token_id=mask_token_id)
-            for layer in target._layers:
-                layer.to("meta")
-            target.head_only_loaded = True
-            return target
-        from safetensors import safe_open
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        local, name = resolve_target(path)
-        config = AutoConfig.from_pretrained(local)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        files = sorted(local.glob("*.safetensors"))
-        names = {n for f in files for n in safe_open(str(f), "pt").keys()}
-        params = dict(model.named_parameters(remove_duplicate=False))
-        mods = [model.get_input_embeddings(), model.get_output_embeddings()]
-        if final_norm:
-            mods.append(final_norm_of(model))
-        for k, mod in enumerate(mods):
-            for attr, param in list(mod.named_parameters(recurse=False)):
-                pname = next(n for n, p in params.items() if p is param)
-                tied = next((n for n in names if n.endswith("embed_tokens.weight")), None) if k < 2 else None
-                key = pname if pname in names else tied  # a tied head is stored as the embedding
-                if key is None:
-                    raise ValueError(f"{local} has no tensor for {pname}")
-                f = next(f for f in files if key in safe_open(str(f), "pt").keys())
-                with safe_open(str(f), "pt", device=str(device or "cpu")) as fh:  # read straight onto the device
-                    setattr(mod, attr, nn.Parameter(fh.get_tensor(key).to(dtype=dtype), requires_grad=False))
-        tok = load_tokenizer(local)
-        target = cls(model, tok, layer_ids, num_features=num_features, name=name, mask_token_id=mask_token_id)
+        source = resolve_source(path)
+        model = load_head_only(source, dtype=dtype, device=device, final_norm=final_norm)
+        target = cls(model, source.tokenizer, layer_ids, num_features=num_features, name=source.name,
+                     mask_token_id=mask_token_id)
         target.head_only_loaded = True
-        target.local_dir = local
-        return target
-
-    @classmethod
-    def random(cls, spec: str, *, layer_ids: list[int] | None = None, num_features: int = 5,
-               dtype: torch.dtype | None = None, device: str | None = None,
-               mask_token_id: int | None = None, shard: bool = False) -> "TargetModel":
-        """`random:NAME` (blockdraft.tiny.RANDOM_PRESETS): a random target of a real shape built on
-        `device`, with SmolLM2's tokenizer; no files, no download. `shard`: built by rank 0 and
-        sharded over the process group (target_shard)."""
-        from .target_files import random_target_tokenizer
-        from .tiny import random_target_model
-
-        tok = random_target_tokenizer()
-        dtype = dtype or default_dtype(device)
-        if shard:
-            from .target_shard import load_sharded
-
-            model = load_sharded(None, dtype=dtype, device=device or "cpu",
-                                 build=lambda dev: random_target_model(spec, device=dev, dtype=dtype))
-        else:
-            model = random_target_model(spec, device=device, dtype=dtype)
-        if model.get_output_embeddings().weight.shape[0] < len(tok):
-            raise ValueError(f"{spec}: its vocabulary is smaller than the tokenizer's")
-        target = cls(model, tok, layer_ids, num_features=num_features, name=spec, mask_token_id=mask_token_id)
-        target.local_dir = None
-        target.sharded = shard
+        target.local_dir = source.local_dir
+        target.sharded = False
         return target
 
     # -------------------------------------------------------------- checks
@@ -240,7 +154,7 @@ class TargetModel(nn.Module):
         m = int(mask_token_id)
         if not 0 <= m < self.vocab_size:
             raise ValueError(f"mask_token_id {m} is outside the target vocabulary [0, {self.vocab_size})")
-        if self.tokenizer is not None and m in _special_ids(self.tokenizer):
+        if self.tokenizer is not None and m in special_ids(self.tokenizer):
             raise ValueError(
                 f"mask_token_id {m} is the tokenizer's pad/eos/bos/unk token; MASK must be a dedicated "
                 "token (a reserved/unused id): omit mask_token_id to pick one"
@@ -419,9 +333,7 @@ class TargetModel(nn.Module):
         rows, as every export writes them: a logit scale or soft-cap (`head`) is not in them."""
         local = getattr(self, "local_dir", None)
         if local is not None:
-            from .checkpoint.native import head_rows
-
-            return head_rows(str(local), ids)
+            return stored_head_rows(str(local), ids)
         w = self.model.get_output_embeddings().weight
         return w.detach()[ids.to(w.device)].float().cpu()
 

