@@ -320,3 +320,22 @@ def test_a_killed_gguf_export_leaves_what_the_next_one_removes_and_nothing_else(
     finally:
         alive.kill()
         alive.wait()
+
+
+@pytest.mark.parametrize("kind,kw", [("dspark", dict(markov_rank=8)),
+                                     ("dflash2", dict(selector_rank=8, selector_top_k=4, conv_group_size=8))])
+def test_gguf_export_of_a_kind_it_cannot_write_yet_is_refused(tmp_path, kind, kw):
+    """The GGUF writer knows DFlash's tensors only: a DSpark or DFlash2 file would be served as the
+    backbone alone, another function, so the export is refused with one line (and doctor says so)."""
+    from blockdraft.checkpoint.formats import gguf as fmt
+    from blockdraft.checkpoint.native import export_gguf
+    from blockdraft.config import DrafterConfig
+    from blockdraft.model import DFlashDrafter
+    from conftest import tiny_target
+
+    t = tiny_target("qwen3")
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, kind=kind, **kw))
+    assert any(x.refuse and kind in x.what for x in fmt.differences(d.config))
+    with pytest.raises(ValueError, match=f"serves {kind} drafters"):
+        export_gguf(d, tmp_path / "d.gguf", target_gguf=tmp_path / "unused.gguf")
+    assert not (tmp_path / "d.gguf").exists()

@@ -65,6 +65,9 @@ def differences(cfg: DrafterConfig) -> list[Difference]:
     def refuse(what: str) -> None:
         out.append(Difference(CONSUMER, True, what))
 
+    if cfg.kind != "dflash":  # the file would carry the backbone only: another drafter
+        refuse(f"serves {cfg.kind} drafters, but blockdraft's GGUF writer does not write a {cfg.kind} drafter's own "
+               "tensors and keys yet; serve it with speculators' or dflash's files, or llama.cpp's own converter")
     if cfg.attention_bias:
         refuse("loads no attention biases (this drafter has q/k/v/o biases)")
     if cfg.hidden_act not in ACTIVATIONS:
