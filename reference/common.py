@@ -122,3 +122,64 @@ def eval_prompts(n_per_set: int = 2) -> list[list[dict]]:
     from blockdraft.bench.prompts import load_prompt_set
 
     return [p for name in ("mtbench", "gsm8k", "humaneval") for p in load_prompt_set(name, n_per_set)]
+
+
+# ---------------------------------------------------------------- SmolLM2 drafters of the newer kinds
+KIND_FIELDS_SMALL = {"dspark": {"kind": "dspark", "markov_rank": 64},
+                     "dflash2": {"kind": "dflash2", "selector_rank": 64, "selector_top_k": 8}}
+# (lr, steps) per kind: measured on 2026-12 CPUs, 8 rows of 512 tokens from the bundled (non-evaluation)
+# conversations, 16 anchors per row, 2 rows per step. DFlash2 at 1e-2 broke its backbone (held-out tau
+# 1.00); at 1e-3 it keeps tau ~1.43 against the shipped drafter's 1.44, its walk leaving each slot's
+# argmax at ~2/3 of the slots. DSpark at 1e-2: tau ~1.46, its chain leaving the argmax at ~3/4.
+KIND_TRAINING = {"dspark": (1e-2, 80), "dflash2": (1e-3, 80)}
+
+
+def smollm2_kinds(target: TargetModel | None = None, kinds=("dspark", "dflash2"), rows: int = 8,
+                  length: int = 512, max_anchors: int = 16, seed: int = 0) -> dict:
+    """The shipped SmolLM2 DFlash drafter as each newer kind (`train.build.change_kind`: the backbone
+    kept), its kind's own weights (Markov and confidence heads; convolutions and selector) trained
+    for a few steps by blockdraft's own train_step, the backbone frozen, on the target's outputs for a
+    few packed rows of the bundled conversations (computed once, shared by the kinds). The weights
+    are rounded to bf16 at the end, so a bf16 file holds exactly what the returned drafter computes
+    with. Deterministic for a given thread count."""
+    import gzip
+    import json
+
+    from blockdraft.checkpoint import load_drafter
+    from blockdraft.data.features import StoredOutputs, target_outputs
+    from blockdraft.data.pipeline import build_rows, default_data_file
+    from blockdraft.train.build import change_kind
+    from blockdraft.train.step import Batch, train_step
+
+    base = load_drafter("default")
+    target = target or smollm2_target(base.config.target_layer_ids)
+    with gzip.open(default_data_file(), "rt", encoding="utf-8") as f:
+        recs = [json.loads(line) for _, line in zip(range(8 * rows), f)]
+    packed = {k: v[:rows] for k, v in build_rows(target.tokenizer, recs, length).items()}
+    if packed["input_ids"].shape[0] < rows:
+        raise ValueError(f"only {packed['input_ids'].shape[0]} packed rows; {rows} asked for")
+    cache = target_outputs(target, packed, torch.arange(rows), rows_per_forward=2)
+    out = {}
+    for kind in kinds:
+        torch.manual_seed(seed)  # the kind's own start (W1, the codebooks) is drawn here
+        d = change_kind(base, KIND_FIELDS_SMALL[kind], "cpu")
+        backbone = set(base.state_dict())
+        own = []
+        for name, p in d.named_parameters():
+            p.requires_grad_(name not in backbone)
+            if name not in backbone:
+                own.append(p)
+        lr, steps = KIND_TRAINING[kind]
+        opt = torch.optim.AdamW(own, lr=lr, weight_decay=0.0)
+        g = torch.Generator().manual_seed(seed)
+        for s in range(steps):
+            i = torch.tensor([(2 * s) % rows, (2 * s + 1) % rows])
+            batch = Batch(packed["input_ids"][i], packed["loss_mask"][i], packed["position_ids"][i])
+            c = StoredOutputs(cache.features[i], cache.final_hidden[i], None if cache.top is None else cache.top[i])
+            train_step(target, d, opt, batch, generator=g, cached=c, max_anchors=max_anchors)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.requires_grad_(False)
+                p.copy_(p.to(torch.bfloat16).float())
+        out[kind] = d.eval()
+    return out

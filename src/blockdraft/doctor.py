@@ -271,10 +271,13 @@ def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
     with tempfile.TemporaryDirectory(prefix="blockdraft-doctor-") as tmp:
         path, _ = export_gguf(drafter, f"{tmp}/draft.gguf", target_gguf=src, allow_mismatch=True)
         got = compare(target, drafter, prompts, target_gguf=src, drafter_gguf=path, max_new_tokens=96, log_dir=tmp)
-    ok = got["identical"] and got["slot_agreement"] >= 0.95
-    msg = (f"llama.cpp drafts blockdraft's tokens in {got['slot_agreement']:.1%} of the slots of its "
-           f"{got['draft_calls']} drafts and accepts {got['llamacpp_tau']:.2f} tokens per step; outputs "
-           f"{'identical' if got['identical'] else 'DIFFER'}")
+    # DFlash: each slot's draft; DSpark and DFlash2: each step of the kind's walk, from llama.cpp's own
+    # previous draft (the whole walk from the anchor agrees less: a near tie flipped early changes the
+    # rest of its block; measured 0.93-0.95 against 0.98-0.99 per step, reference/test_llamacpp.py)
+    ok = got["identical"] and got["step_agreement"] >= 0.95
+    msg = (f"llama.cpp ({got['spec_type']}) drafts blockdraft's tokens in {got['step_agreement']:.1%} of the "
+           f"{'walk steps' if drafter.config.kind != 'dflash' else 'slots'} of its {got['draft_calls']} drafts and "
+           f"accepts {got['llamacpp_tau']:.2f} tokens per step; outputs {'identical' if got['identical'] else 'DIFFER'}")
     return Check("llama.cpp", PASS if ok else FAIL, msg,
                  "" if ok else "llama.cpp computes another function from the GGUF: check `blockdraft convert "
                                "--to gguf`'s refusals and the target GGUF (--target-gguf)")

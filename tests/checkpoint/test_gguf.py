@@ -7,6 +7,7 @@ What llama.cpp itself computes from the file is checked by reference/test_llamac
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -140,10 +141,12 @@ def test_gguf_writes_what_llamacpp_computes_the_same(kw, causal):
     assert fmt.causal_flag(cfg) is causal
 
 
-def fake_target_gguf(path, *, hidden: int, layers: int, vocab: int, swap: bool = False):
+def fake_target_gguf(path, *, hidden: int, layers: int, vocab: int, swap: bool = False, extra: dict | None = None):
     w = GGUFWriter(str(path), "llama")
     w.add_uint32("llama.embedding_length", hidden)
     w.add_uint32("llama.block_count", layers)
+    for key, value in (extra or {}).items():
+        w.add_float32(key, value)
     tokens = [f"t{i}" for i in range(vocab)]
     if swap:  # another tokenizer of the same size: two ids exchanged
         tokens[1], tokens[2] = tokens[2], tokens[1]
@@ -322,20 +325,241 @@ def test_a_killed_gguf_export_leaves_what_the_next_one_removes_and_nothing_else(
         alive.wait()
 
 
-@pytest.mark.parametrize("kind,kw", [("dspark", dict(markov_rank=8)),
-                                     ("dflash2", dict(selector_rank=8, selector_top_k=4, conv_group_size=8))])
-def test_gguf_export_of_a_kind_it_cannot_write_yet_is_refused(tmp_path, kind, kw):
-    """The GGUF writer knows DFlash's tensors only: a DSpark or DFlash2 file would be served as the
-    backbone alone, another function, so the export is refused with one line (and doctor says so)."""
-    from blockdraft.checkpoint.formats import gguf as fmt
-    from blockdraft.checkpoint.native import export_gguf
-    from blockdraft.config import DrafterConfig
-    from blockdraft.model import DFlashDrafter
-    from conftest import tiny_target
+# ------------------------------------------------------------------ the newer kinds: DSpark, DFlash2
+# Each kind tensor's GGUF name (src/llama-arch.cpp:727-736) and ggml shape {ne0, ne1, ...} as
+# src/models/dflash.cpp load_arch_tensors creates it (lines 124-160 and 250-258), from the drafter's
+# sizes: H hidden, V target vocabulary, Vd draft vocabulary (d2t's length), r rank, k taps, g group.
+def kind_tensors(cfg: DrafterConfig) -> dict:
+    """GGUF name -> (native name, ggml ne) of the tensors a kind adds."""
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    if cfg.kind == "dspark":
+        r, Vd = cfg.markov_rank, cfg.draft_vocab_size or cfg.vocab_size
+        out = {"markov_w1.weight": ("markov_head.markov_w1.weight", [r, V]),
+               "markov_w2.weight": ("markov_head.markov_w2.weight", [r, Vd])}
+        if cfg.confidence_head:
+            out |= {"conf_proj.weight": ("confidence_head.proj.weight", [H + r, 1]),
+                    "conf_proj.bias": ("confidence_head.proj.bias", [1])}
+        return out
+    r, k, proj = cfg.selector_rank, cfg.conv_kernel_size, 2 * cfg.conv_kernel_size * (H // cfg.conv_group_size)
+    out = {"selector_predecessor.weight": ("candidate_selector.predecessor_codebook", [r, V]),
+           "selector_successor.weight": ("candidate_selector.successor_codebook", [r, V]),
+           "selector_hidden.weight": ("candidate_selector.hidden_projection.weight", [H, r])}
+    for i in range(L):
+        out |= {f"blk.{i}.attn_conv_base": (f"layers.{i}.attention_conv.base_kernel", [H, k, 2]),
+                f"blk.{i}.attn_conv_proj.weight": (f"layers.{i}.attention_conv.kernel_projection.weight", [H, proj]),
+                f"blk.{i}.ffn_conv_base": (f"layers.{i}.mlp_conv.base_kernel", [H, k, 2]),
+                f"blk.{i}.ffn_conv_proj.weight": (f"layers.{i}.mlp_conv.kernel_projection.weight", [H, proj])}
+    return out
 
-    t = tiny_target("qwen3")
-    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, kind=kind, **kw))
-    assert any(x.refuse and kind in x.what for x in fmt.differences(d.config))
-    with pytest.raises(ValueError, match=f"serves {kind} drafters"):
-        export_gguf(d, tmp_path / "d.gguf", target_gguf=tmp_path / "unused.gguf")
-    assert not (tmp_path / "d.gguf").exists()
+
+KIND_CASES = {
+    "dspark": dict(kind="dspark", markov_rank=6, draft_vocab_size=24),
+    "dspark-no-confidence": dict(kind="dspark", markov_rank=6, confidence_head=False),
+    "dflash2": dict(kind="dflash2", selector_rank=5, selector_top_k=4, conv_group_size=8, conv_kernel_size=3),
+}
+DSPARK_KEYS = ("dflash.sample_from_anchor", "dflash.has_confidence_head")
+DFLASH2_KEYS = ("dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank", "dflash.selector_top_k")
+
+
+def kind_drafter(case: str, dtype=torch.float32) -> DFlashDrafter:
+    """A tiny drafter of the kind, every weight random (so a transposed or swapped tensor shows)."""
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(tiny_target("qwen3"), num_layers=2, block_size=4,
+                                               **KIND_CASES[case]))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p))
+    if d.config.draft_vocab_size:
+        d.set_draft_vocab(torch.randperm(d.config.vocab_size - 1, generator=torch.Generator().manual_seed(1))
+                          [: d.config.draft_vocab_size].sort().values)
+    return d.to(dtype)
+
+
+def written(d: DFlashDrafter, tmp_path):
+    c = d.config
+    target = fake_target_gguf(tmp_path / "t.gguf", hidden=c.target_hidden_size, layers=c.target_num_layers,
+                              vocab=c.vocab_size)
+    path, found = export_gguf(d, tmp_path / "d.gguf", target_gguf=target)
+    assert found == []
+    r, kv = values(path)
+    return {t.name: t for t in r.tensors}, kv
+
+
+DFLASH_NAMES = {"fc.weight", "enc.output_norm.weight", "output_norm.weight"} | {
+    f"blk.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                                       "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate",
+                                                       "ffn_up", "ffn_down")}
+
+
+@pytest.mark.parametrize("case", list(KIND_CASES))
+def test_gguf_of_each_kind_holds_llamacpps_tensors_shapes_values_and_keys(case, tmp_path):
+    d = kind_drafter(case)
+    cfg = d.config
+    tensors, kv = written(d, tmp_path)
+    added = kind_tensors(cfg)
+    vocab = {"output.weight", "d2t"} if cfg.draft_vocab_size else set()
+    assert set(tensors) == DFLASH_NAMES | set(added) | vocab  # nothing missing, nothing extra
+    native = d.folded_state_dict()
+    for name, (src, ne) in added.items():
+        t, want = tensors[name], native[src]
+        assert [int(x) for x in t.shape] == ne == list(reversed(want.shape)), name
+        assert t.tensor_type.name == "F32", name
+        assert torch.equal(as_torch(t).reshape(want.shape), want), name  # bit for bit
+    if cfg.kind == "dspark":
+        assert kv["dflash.sample_from_anchor"] is False  # slot k predicts anchor + k; absent reads as true
+        assert kv["dflash.has_confidence_head"] is bool(cfg.confidence_head)
+        assert not any(k in kv for k in DFLASH2_KEYS)
+    else:
+        assert [kv[k] for k in DFLASH2_KEYS] == [3, 8, 5, 4]
+        assert not any(k in kv for k in DSPARK_KEYS)
+    if cfg.draft_vocab_size:  # markov_w2's rows are the draft vocabulary's, in d2t's order
+        assert torch.equal(as_torch(tensors["d2t"]), d.draft_vocab.long())
+        assert int(tensors["markov_w2.weight"].shape[1]) == int(tensors["d2t"].shape[0]) == cfg.draft_vocab_size
+
+
+def test_gguf_of_a_bf16_kind_keeps_the_convolution_bases_in_fp32(tmp_path):
+    """llama.cpp adds the base kernel to fp32 dynamic taps (dflash.cpp build_dflash2_conv); ggml's CPU
+    add has no f32 + bf16 (ggml-cpu/binary-ops.cpp), and llama.cpp's own converter writes a tensor
+    without `.weight` in fp32 (conversion/base.py:1119-1121). The matrices stay bf16."""
+    d = kind_drafter("dflash2", torch.bfloat16)
+    tensors, _ = written(d, tmp_path)
+    native = d.folded_state_dict()
+    for name, (src, _) in kind_tensors(d.config).items():
+        want = "F32" if name.endswith("_conv_base") else "BF16"
+        assert tensors[name].tensor_type.name == want, name
+        assert torch.equal(as_torch(tensors[name]).reshape(native[src].shape).to(torch.bfloat16), native[src]), name
+
+
+def test_gguf_of_a_dflash_drafter_has_no_kind_keys_or_tensors(tmp_path):
+    d, target = tiny_gguf_case(tmp_path)
+    path, _ = export_gguf(d, tmp_path / "d.gguf", target_gguf=target)
+    r, kv = values(path)
+    assert not any(k in kv for k in DSPARK_KEYS + DFLASH2_KEYS)
+    assert all(not t.name.startswith(("markov", "conf_proj", "selector")) and "_conv_" not in t.name for t in r.tensors)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(selector_top_k=6), "hidden size 32 < K(K+1) = 42"),  # K candidates + K x K scores in one row
+    (dict(conv_group_size=12), "divisible by conv_group_size"),
+])
+def test_gguf_refuses_a_dflash2_drafter_llamacpp_will_not_load(change, says, tmp_path):
+    """dflash.cpp load_arch_tensors throws on these (lines 145-150): one line, nothing written."""
+    import dataclasses
+
+    cfg = kind_drafter("dflash2").config
+    if "selector_top_k" in change:
+        d = DFlashDrafter(dataclasses.replace(cfg, **change))
+        found = fmt.differences(d.config)
+        c = d.config
+        target = fake_target_gguf(tmp_path / "t.gguf", hidden=c.target_hidden_size, layers=c.target_num_layers,
+                                  vocab=c.vocab_size)
+        with pytest.raises(ValueError, match=re.escape(says)) as e:
+            export_gguf(d, tmp_path / "d.gguf", target_gguf=target)
+        assert "\n" not in str(e.value) and not (tmp_path / "d.gguf").exists()
+    else:  # the config itself refuses it; a config changed after its checks still meets the writer's
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        found = fmt.differences(cfg)
+    assert found and all(d.refuse for d in found) and any(says in d.what for d in found), found
+
+
+@pytest.mark.parametrize("key", ["llama.final_logit_softcapping", "llama.logit_scale"])
+def test_gguf_refuses_a_kind_whose_target_transforms_its_logits(key, tmp_path):
+    """llama.cpp adds DSpark's bias to (and scores DFlash2's candidates on) the head's raw output;
+    blockdraft on the target's transformed logits. A DFlash drafter's argmax is the same: written."""
+    for case in ("dspark", "dflash2", None):
+        d = kind_drafter(case) if case else tiny_gguf_case(tmp_path)[0]
+        c = d.config
+        target = fake_target_gguf(tmp_path / "t.gguf", hidden=c.target_hidden_size, layers=c.target_num_layers,
+                                  vocab=c.vocab_size, extra={key: 30.0})
+        if case is None:
+            assert export_gguf(d, tmp_path / "d.gguf", target_gguf=target)[0].exists()
+            continue
+        with pytest.raises(ValueError, match=re.escape(f"({key} = 30)") + ".*raw head output") as e:
+            export_gguf(d, tmp_path / "e.gguf", target_gguf=target)
+        assert "\n" not in str(e.value) and not (tmp_path / "e.gguf").exists()
+
+
+def test_dflash2_and_dspark_sizes_llamacpp_loads_are_written():
+    cfg = kind_drafter("dflash2").config
+    assert fmt.differences(cfg) == []  # K = 4: 4 x 5 = 20 <= 32, 32 % 8 == 0
+    assert fmt.differences(kind_drafter("dspark").config) == []
+
+
+# ------------------------------------------------- what the llama.cpp wrapper reads and compares
+DSPARK_LOG = """\
+0.05.375.630 I slot   operator(): id  0 | task 0 | new prompt, n_ctx_slot = 4096, n_keep = 0, task.n_tokens = 6
+0.07.945.154 D  - seq_id 0, draft candidate   0, pos   1:   1603 (   0.164) ' non'
+0.07.945.155 D  - seq_id 0, draft candidate   1, pos   1:     12 (   0.100) ' x'
+0.07.949.278 D  - seq_id 0, draft candidate   0, pos   2:    338 (   0.345) ' that'
+0.11.822.417 D  - seq_id 0, draft candidate   0, pos   1:    282 (   0.258) ' of'
+0.11.822.436 D  - seq_id 0, draft candidate   0, pos   2:    338 (   0.271) ' that'
+0.11.822.438 D  - seq_id 0, draft candidate   0, pos   3:    617 (   0.264) ' who'
+"""
+BATCH_LOG = """\
+0.01.652.094 I slot   operator(): id  0 | task 0 | new prompt, n_ctx_slot = 4096, n_keep = 0, task.n_tokens = 2
+0.01.652.182 D init: input batch info:
+0.01.652.221 D ubatch_print:   token     = [
+0.01.652.223 D ubatch_print:     0: id =      1 (    <|im_start|>), pos =    0, n_seq_id =  1, seq_id = [0], output = 0
+0.01.652.225 D ubatch_print:     1: id =    504 (             The), pos =    1, n_seq_id =  1, seq_id = [0], output = 1
+0.01.652.230 D ubatch_print:   ]
+0.01.781.595 D init: input batch info:
+0.01.781.612 D ubatch_print:     0: id =    253 (               a), pos =    2, n_seq_id =  1, seq_id = [0], output = 0
+0.01.781.613 D ubatch_print:     1: id =     16 (  <empty_output>), pos =    3, n_seq_id =  1, seq_id = [0], output = 0
+0.01.781.613 D ubatch_print:     2: id =     16 (  <empty_output>), pos =    4, n_seq_id =  1, seq_id = [0], output = 0
+0.01.781.630 D ubatch_print:   ]
+0.01.798.350 D init: input batch info:
+0.01.798.372 D ubatch_print:     0: id =    253 (               a), pos =    2, n_seq_id =  1, seq_id = [0], output = 1
+0.01.798.373 D ubatch_print:     1: id =    198 (               
+), pos =    3, n_seq_id =  1, seq_id = [0], output = 1
+0.01.798.374 D ubatch_print:     2: id =    428 (               R), pos =    4, n_seq_id =  1, seq_id = [0], output = 1
+0.01.798.380 D ubatch_print:   ]
+0.01.798.393 D ubatch_add: added ubatch to split:
+0.01.798.396 D ubatch_print:     0: id =    253 (               a), pos =    2, n_seq_id =  1, seq_id = [0], output = 1
+0.01.798.397 D ubatch_print:     1: id =    198 (               
+), pos =    3, n_seq_id =  1, seq_id = [0], output = 1
+"""
+
+
+def test_llamacpp_drafts_are_read_per_call_from_the_log_for_each_kind():
+    """DSpark logs its drafting slots from 1 (DFlash from 0): a call starts where the position falls.
+    DFlash2 logs no candidates: its drafts are the target's verify batches (every token an output),
+    not the drafter's noise block ([anchor, mask...]) nor the prompt (one output); a token's text may
+    hold a newline."""
+    from blockdraft.engines import llamacpp
+
+    assert llamacpp.drafts_from_log(DSPARK_LOG) == [[[1603, 338], [282, 338, 617]]]
+    assert llamacpp.drafts_from_batches(BATCH_LOG, mask_token_id=16) == [[(2, [198, 428])]]
+    assert llamacpp.SPEC_TYPES == {"dflash": "draft-dflash", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
+
+
+@pytest.mark.parametrize("case", ["dspark", "dflash2"])
+def test_llamacpp_replay_walks_the_kind_from_the_anchor_token(case):
+    """The slot agreement compares llama.cpp's drafts with the kind's own walk (DSpark's Markov chain,
+    DFlash2's selector) from the anchor token, not with each slot's argmax."""
+    from blockdraft.engines import llamacpp
+
+    torch.manual_seed(0)
+    kw = {k: v for k, v in KIND_CASES[case].items() if k != "draft_vocab_size"}
+    t = tiny_target("qwen3", num_features=2)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, **kw)).eval()
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if n.startswith(("markov", "confidence", "candidate")) or "_conv" in n:
+                p.add_(torch.randn_like(p) * 3)  # the walk moves off the argmax
+    prompt, output = list(range(3, 11)), list(range(20, 40))
+    seq = prompt + output
+    feats = t(torch.tensor([seq]), position_ids=torch.arange(len(seq))[None]).features[0]
+    walks, argmaxes, anchors = [], [], list(range(len(prompt), len(seq) - 3, 3))
+    with torch.no_grad():
+        for a in anchors:
+            block = torch.full((4,), d.mask_token_id)
+            block[0] = seq[a]
+            h = d.draft_hidden(feats[:a], torch.arange(a), t.embed(block), a, d.new_context_cache())[1:]
+            walks.append(d.kind.draft(d, lambda x: t.head(x), h, seq[a], None, None, None).tokens.tolist())
+            argmaxes.append(t.head(h).argmax(-1).tolist())
+    assert walks != argmaxes
+    same = llamacpp.replay(t, d, prompt, output, walks, anchors)
+    assert same["agree"] == same["slots"] == 3 * len(anchors) and same["unmatched"] == 0
+    other = llamacpp.replay(t, d, prompt, output, argmaxes, anchors)
+    assert other["agree"] < other["slots"]

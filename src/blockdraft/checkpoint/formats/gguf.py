@@ -17,6 +17,23 @@ What the file says, and why:
   (llama.cpp takes the target's); a draft vocabulary is `d2t` (int64 *target ids*, which llama.cpp
   scatters the draft logits onto) with the head's draft rows as `output.weight`, read from the
   target GGUF itself. Norm gains are stored in fp32, matrices in the drafter's dtype.
+
+The newer kinds are the same architecture with more tensors (DESIGN.md section 2; names from
+`src/llama-arch.cpp:727-736`, shapes from `src/models/dflash.cpp` `load_arch_tensors`):
+
+- DSpark (`markov_w1.weight` marks it, dflash.cpp:124-137): `markov_w1.weight` [V, r] (ggml
+  {r, V}), `markov_w2.weight` [Vd, r] (its rows in `d2t`'s order: llama.cpp scatters the bias
+  through `d2t` like the logits, dflash.cpp:352-360), `conf_proj.{weight,bias}` over [hidden; r].
+  `dflash.sample_from_anchor` is written always, false: blockdraft's slot 0 is the anchor and slot
+  k predicts anchor + k; llama.cpp reads a missing key as true (dflash.cpp:317-319,
+  common/speculative.cpp:1046) and would read every draft one slot early. `dflash.has_confidence_head`
+  says whether `conf_proj` is there (common/speculative.cpp:1058-1066). llama-server must run it
+  with `--spec-type draft-dspark` (engines/llamacpp.py).
+- DFlash2 (`selector_hidden.weight` marks it, dflash.cpp:139-160): per layer `blk.N.attn_conv_base`
+  and `blk.N.ffn_conv_base` (no `.weight`; [2, k, hidden], ggml {hidden, k, 2}; fp32, as llama.cpp's
+  own converter stores a tensor without `.weight`, and ggml's CPU add has no f32 + bf16) and
+  `blk.N.{attn,ffn}_conv_proj.weight`; `selector_{predecessor,successor,hidden}.weight`; keys
+  `dflash.conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
 """
 
 from __future__ import annotations
@@ -37,7 +54,17 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight"}
+_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
+        # DSpark
+        "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
+        "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias",
+        # DFlash2
+        "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+        "candidate_selector.successor_codebook": "selector_successor.weight",
+        "candidate_selector.hidden_projection.weight": "selector_hidden.weight"}
+_KIND_LAYER = {"attention_conv.base_kernel": "attn_conv_base", "mlp_conv.base_kernel": "ffn_conv_base",
+               "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+               "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight"}  # DFlash2
 
 
 def tensor_name(native: str) -> str:
@@ -45,10 +72,13 @@ def tensor_name(native: str) -> str:
     if native in _TOP:
         return _TOP[native]
     parts = native.split(".")
-    if parts[0] == "layers" and len(parts) >= 4 and parts[-1] == "weight":
+    if parts[0] == "layers" and len(parts) >= 4 and parts[1].isdecimal():
         module = ".".join(parts[2:-1])
-        if module in _LAYER:
+        if parts[-1] == "weight" and module in _LAYER:
             return f"blk.{int(parts[1])}.{_LAYER[module]}.weight"
+        rest = ".".join(parts[2:])
+        if rest in _KIND_LAYER:
+            return f"blk.{int(parts[1])}.{_KIND_LAYER[rest]}"
     raise ValueError(f"llama.cpp's DFlash GGUF has no tensor for {native}")
 
 
@@ -65,11 +95,15 @@ def differences(cfg: DrafterConfig) -> list[Difference]:
     def refuse(what: str) -> None:
         out.append(Difference(CONSUMER, True, what))
 
-    if cfg.kind != "dflash":  # the file would carry the backbone only: another drafter
-        refuse(f"serves {cfg.kind} drafters, but blockdraft's GGUF writer does not write a {cfg.kind} drafter's own "
-               "tensors and keys yet; serve it with speculators' or dflash's files, or llama.cpp's own converter")
     if cfg.attention_bias:
         refuse("loads no attention biases (this drafter has q/k/v/o biases)")
+    if cfg.kind == "dflash2":  # dflash.cpp load_arch_tensors throws on these (lines 145-150)
+        H, g, K = cfg.hidden_size, cfg.conv_group_size, cfg.selector_top_k
+        if H % g:
+            refuse(f"needs the hidden size divisible by conv_group_size (this DFlash2 drafter: {H} and {g})")
+        if H < K * (K + 1):
+            refuse(f"packs each slot's {K} candidates and {K}x{K} selector scores into one hidden-wide row: "
+                   f"hidden size {H} < K(K+1) = {K * (K + 1)} (lower selector_top_k)")
     if cfg.hidden_act not in ACTIVATIONS:
         refuse(f"runs the FFN with silu or gelu only, not {cfg.hidden_act}")
     types = set(cfg.layer_types)
@@ -123,6 +157,7 @@ def check_target(reader, cfg: DrafterConfig, path: Path) -> None:
         raise ValueError(f"{path} has no tokenizer (tokenizer.ggml.tokens); llama.cpp needs the target's own")
     if len(tokens.data) != cfg.vocab_size:
         raise ValueError(f"{path} has {len(tokens.data)} tokens, the drafter's vocabulary has {cfg.vocab_size}")
+    check_logit_transform(reader, cfg, path)
     if cfg.tokenizer_hash:  # same shape, another tokenizer: the drafts would be other tokens' ids
         from ...target.files import tokens_hash
 
@@ -130,6 +165,23 @@ def check_target(reader, cfg: DrafterConfig, path: Path) -> None:
         if got != cfg.tokenizer_hash:
             raise ValueError(f"{path} holds another tokenizer than the drafter was trained with (hash {got}, the "
                              f"drafter's {cfg.tokenizer_hash}): pass the target's own GGUF as --target-gguf")
+
+
+def check_logit_transform(reader, cfg: DrafterConfig, path: Path) -> None:
+    """DSpark and DFlash2 add to the head's logits, so a target whose forward scales or soft-caps
+    them (blockdraft's drafts read the transformed logits, `TargetModel.head`) would be drafted from
+    other scores: llama.cpp adds DSpark's Markov bias to the raw head output (src/models/dflash.cpp:
+    364, lines 814-851), and scores DFlash2's candidates after only the drafter file's own
+    `logit_scale` / soft-cap (lines 816-827, which read them as DFlash2 multipliers, not as the
+    target's own architecture does). Refused (DFlash's argmax does not change under them)."""
+    if cfg.kind not in ("dspark", "dflash2"):
+        return
+    for key, neutral in (("final_logit_softcapping", 0.0), ("logit_scale", 1.0)):
+        got = _target_value(reader, key)
+        if got is not None and float(got) not in (0.0, neutral):
+            raise ValueError(f"{path} transforms its logits ({_target_arch(reader)}.{key} = {float(got):g}): llama.cpp "
+                             f"scores a {cfg.kind} drafter's additions against the raw head output, blockdraft "
+                             f"against the transformed logits; the drafts would differ")
 
 
 def head_rows(reader, ids: torch.Tensor) -> torch.Tensor:
@@ -220,6 +272,7 @@ def _entries(cfg: DrafterConfig, reader, name: str, owner: str) -> list:
         out += [Entry(f"{a}.attention.sliding_window", cfg.sliding_window, T.UINT32),
                 Entry(f"{a}.attention.sliding_window_pattern", [t == SLIDING for t in cfg.layer_types], T.ARRAY,
                       T.BOOL)]
+    out += _kind_entries(cfg)
     for key, field in reader.fields.items():  # the target's tokenizer, as the engine loads it
         if key.startswith("tokenizer.") and key != "tokenizer.ggml.mask_token_id":
             vtype = field.types[0]
@@ -227,10 +280,31 @@ def _entries(cfg: DrafterConfig, reader, name: str, owner: str) -> list:
     return out + [Entry("tokenizer.ggml.mask_token_id", cfg.mask_token_id, T.UINT32)]
 
 
+def _kind_entries(cfg: DrafterConfig) -> list:
+    """The keys a DSpark or DFlash2 drafter adds (none for DFlash: its files stay as they were)."""
+    from gguf import GGUFValueType as T
+
+    from .gguf_file import Entry
+
+    a = ARCH
+    if cfg.kind == "dspark":  # blockdraft's convention (slot k predicts anchor + k): never the reader's default
+        return [Entry(f"{a}.sample_from_anchor", bool(cfg.sample_from_anchor), T.BOOL),
+                Entry(f"{a}.has_confidence_head", bool(cfg.confidence_head), T.BOOL)]
+    if cfg.kind == "dflash2":
+        return [Entry(f"{a}.{key}", getattr(cfg, key), T.UINT32)
+                for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")]
+    return []
+
+
 def _tensors(sd: dict, cfg: DrafterConfig, reader) -> list[tuple]:
     """(name, array, raw GGML type) of every tensor the file holds, in order; a draft vocabulary's head
-    rows are read from the target GGUF."""
-    out = [(tensor_name(k), *_array(v, norm=v.dim() == 1)) for k, v in sd.items() if k != "draft_vocab"]
+    rows are read from the target GGUF. Vectors and tensors whose name has no `.weight` (DFlash2's
+    convolution bases) in fp32, as llama.cpp's converter writes them (conversion/base.py:1084-1121)."""
+    out = []
+    for k, v in sd.items():
+        if k != "draft_vocab":
+            name = tensor_name(k)
+            out.append((name, *_array(v, norm=v.dim() == 1 or not name.endswith(".weight"))))
     if cfg.draft_vocab_size:
         ids = sd["draft_vocab"].to(torch.long)
         out.append(("output.weight", *_array(head_rows(reader, ids).to(sd["fc.weight"].dtype), norm=False)))
