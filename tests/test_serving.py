@@ -4,8 +4,10 @@ and doctor's check on a target vLLM cannot capture (GLM-4.x MoE in vLLM 0.32).""
 
 from __future__ import annotations
 
+import torch
+
 from blockdraft.doctor import PASS, WARN, check_capture
-from blockdraft.serving import VLLM_CAPTURE, read_vllm_capture
+from blockdraft.serving.vllm import VLLM_CAPTURE, read_vllm_capture
 from conftest import tiny_target
 
 
@@ -68,3 +70,86 @@ def test_doctor_names_llamacpp_apart_from_vllm():
         assert c.status == WARN and arch in c.message and "b11434" in c.message
     t.model.config.architectures = ["GptOssForCausalLM"]
     assert check_capture_llamacpp(t).status == PASS
+
+
+# ---------------------------------------------------------------- the one interface (blockdraft.serving)
+def kind_configs():
+    """A drafter config of each kind, with a draft vocabulary and with sliding layers, so that every
+    format records every consumer it has something to say about."""
+    from blockdraft.config import KINDS, DrafterConfig
+
+    kw = {"dflash": {}, "dspark": dict(markov_rank=8), "dflash2": dict(selector_rank=8, selector_top_k=4,
+                                                                       conv_group_size=8)}
+    t = tiny_target("qwen3")
+    for kind in KINDS:
+        for extra in ({}, dict(draft_vocab_size=64), dict(layer_types=["sliding_attention", "full_attention"],
+                                                          sliding_window=8, num_layers=2)):
+            args = {"num_layers": 1, "block_size": 4, "kind": kind, **kw[kind], **extra}
+            yield DrafterConfig.for_target(t, **args)
+
+
+def test_every_consumer_a_format_names_is_an_engine_and_every_kind_is_placed():
+    """A format's records and the engines' tables are written apart: a consumer named in a record
+    needs its module, and each engine says of each kind whether it serves it."""
+    from blockdraft.config import KINDS
+    from blockdraft.serving import ENGINES, differences
+
+    named = {d.consumer for cfg in kind_configs() for _, d in differences(cfg)}
+    assert named and named <= set(ENGINES), named - set(ENGINES)
+    for e in ENGINES.values():
+        for kind in KINDS:
+            assert (kind in e.kinds) != (kind in e.refused_kinds), (e.name, kind)
+
+
+def test_an_engine_that_refuses_a_kind_says_so_in_the_files_it_reads():
+    """SGLang and dflash do not serve DSpark: the z-lab format, which they read, has a record of
+    theirs for the DSpark drafter that the same drafter as DFlash does not have; an engine that
+    serves a kind has no refusal that the kind alone brings."""
+    from blockdraft.serving import ENGINES
+
+    cfgs = list(kind_configs())
+    by_backbone = {}
+    for cfg in cfgs:
+        by_backbone.setdefault((cfg.draft_vocab_size, tuple(cfg.layer_types)), {})[cfg.kind] = cfg
+    for same in by_backbone.values():
+        for kind, cfg in same.items():
+            for e in ENGINES.values():
+                brought = [d for d in e.differences(cfg) if d not in e.differences(same["dflash"])]
+                if e.serves(kind):
+                    assert not [d for d in brought if d.refuse], (e.name, kind, brought)
+                else:
+                    assert brought, (e.name, kind)
+
+
+def test_who_serves_a_kind_from_which_files():
+    from blockdraft.serving import servers
+
+    assert servers("dspark", "gguf") == "llama.cpp (--spec-type draft-dspark)"
+    zlab = servers("dspark", "zlab")
+    assert zlab.startswith("vLLM (its V2 GPU runner only)") and "not SGLang 0.5.23" in zlab and "dflash 0.1.0" in zlab
+    assert servers("dflash", "speculators") == "vLLM (V1 and V2 runners), speculators"
+    assert "SGLang" not in servers("dflash2", "speculators")
+
+
+def test_convert_says_who_serves_what_it_wrote(tmp_path, capsys):
+    from blockdraft.cli import main
+
+    assert main(["convert", "--to", "zlab", "default", str(tmp_path / "z")]) == 0
+    out = capsys.readouterr().out
+    assert "served by vLLM (V1 and V2 runners), SGLang, dflash" in out, out
+
+
+def test_doctor_runs_one_capture_check_per_capturing_engine(monkeypatch):
+    """A new capturing engine is one entry: doctor's run picks it up, with its own check name."""
+    import dataclasses
+
+    from blockdraft import doctor, serving
+
+    e = dataclasses.replace(serving.ENGINES["llama.cpp"], name="newengine", capture_check="target capture (new)",
+                            capture=lambda: (frozenset(), "its source"))
+    monkeypatch.setitem(serving.ENGINES, "newengine", e)
+    t = tiny_target("llama")
+    names = {c.name: c for c in doctor.run_doctor(t, None, sample_ids=torch.tensor([[1, 2, 3, 4]]))}
+    assert names["target capture (new)"].status == WARN and "newengine cannot capture" in \
+        names["target capture (new)"].message
+    assert {"target capture", "target capture (SGLang)", "target capture (llama.cpp)"} <= set(names)

@@ -1,4 +1,4 @@
-"""Which targets SGLang can serve a DFlash drafter for (blockdraft.serving_sglang): the reader on a
+"""Which targets SGLang can serve a DFlash drafter for (blockdraft.serving.sglang): the reader on a
 small made-up SGLang tree (EntryClass -> class -> the method, its own or inherited across modules),
 the committed table against architectures checked by hand, and the fallback without SGLang."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from blockdraft import serving_sglang
-from blockdraft.serving_sglang import SGLANG_CAPTURE, read_sglang_capture, sglang_capture
+from blockdraft.serving import base as serving_base
+from blockdraft.serving.sglang import SGLANG_CAPTURE, read_sglang_capture, sglang_capture
 
 HAS = "    def set_dflash_layers_to_capture(self, layer_ids):\n        self.ids = layer_ids\n"
 
@@ -89,7 +89,7 @@ def test_the_committed_table():
 
 
 def test_without_sglang_the_table_is_used(monkeypatch):
-    monkeypatch.setattr(serving_sglang.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(serving_base.importlib.util, "find_spec", lambda name: None)
     known, source = sglang_capture()
     assert known is SGLANG_CAPTURE and "0.5.23" in source and "not installed" in source
 
@@ -100,6 +100,6 @@ def test_an_installed_sglang_is_read(tmp_path, monkeypatch):
     class Spec:
         submodule_search_locations = [str(tmp_path / "sglang")]
 
-    monkeypatch.setattr(serving_sglang.importlib.util, "find_spec", lambda name: Spec())
+    monkeypatch.setattr(serving_base.importlib.util, "find_spec", lambda name: Spec())
     known, source = sglang_capture()
     assert "DeltaForCausalLM" in known and "LlamaForCausalLM" not in known and "installed SGLang" in source

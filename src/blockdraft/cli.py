@@ -206,13 +206,15 @@ def cmd_extract(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .checkpoint.native import convert
+    from .checkpoint.native import convert, read_config, resolve_drafter
+    from .serving import servers
 
     path, found = convert(args.src, args.dst, args.to, verifier=args.verifier, allow_mismatch=args.allow_mismatch,
                           target_gguf=args.target_gguf, overwrite=args.overwrite)
     for d in found:
         print(f"blockdraft convert: warning: {d}", file=sys.stderr)
     print(f"wrote {path} ({args.to} format)")
+    print(f"served by {servers(read_config(resolve_drafter(args.src))[1].kind, args.to)}")
     return 0
 
 

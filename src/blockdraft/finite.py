@@ -4,7 +4,8 @@ step's loss and gradient norm, and every record written as JSON (`json.dumps` wr
 `NaN`, which no JSON reader accepts).
 
 Each check is a one-line ValueError naming what was not finite and where (the tensor, the cache
-shard and row, the step), or, in doctor, a FAIL line.
+shard and row, the step); doctor's "finite weights" and "finite logits" lines read `nonfinite` and
+`count`. A low module: it imports nothing of blockdraft.
 """
 
 from __future__ import annotations
@@ -72,39 +73,3 @@ def check_step(step: int, loss: float, grad_norm: float, rows: list[int]) -> Non
             shown = ", ".join(map(str, rows[:8])) + (" ..." if len(rows) > 8 else "")
             raise ValueError(f"step {step}: the {name} is {v} (rows {shown} of this rank's micro-batches); the step "
                              "was not applied: check those rows' data or features, or lower --lr, then --resume")
-
-
-# ---------------------------------------------------------------------------------------- doctor
-def check_weights(drafter):
-    """doctor: every weight of the drafter is finite."""
-    from .doctor import FAIL, PASS, Check
-
-    sd = drafter.state_dict()
-    bad = nonfinite(sd)
-    if bad:
-        return Check("finite weights", FAIL, f"{len(bad)} tensors hold non-finite values: {', '.join(bad[:3])}"
-                     + (" ..." if len(bad) > 3 else ""), "the checkpoint is damaged or its training diverged: "
-                     "retrain (or resume from an earlier checkpoint with a lower --lr)")
-    return Check("finite weights", PASS, f"all {sum(t.numel() for t in sd.values()):,} values of {len(sd)} tensors "
-                 "are finite")
-
-
-@torch.no_grad()
-def check_logits(target, drafter, sample_ids: torch.Tensor):
-    """doctor: the drafter's logits on the check batch (and the target features they come from) are finite."""
-    from .doctor import FAIL, PASS, Check
-    from .train import Batch, prepare
-
-    ids = sample_ids[:, : max(drafter.block_size + 2, min(sample_ids.shape[1], 256))]
-    p = prepare(target, drafter, Batch(ids, torch.ones_like(ids)), max_anchors=32,
-                generator=torch.Generator().manual_seed(0))
-    dt = drafter.fc.weight.dtype
-    found = {"target features": count(p.features)}
-    if not found["target features"]:
-        hidden = drafter(p.features.to(dt), p.block_embeds.to(dt), p.layout)  # [N, B, Hd]
-        found["drafter logits"] = count(target.head(hidden.to(target.dtype), drafter.vocab_rows))
-    bad = [f"{k} ({v})" for k, v in found.items() if v]
-    if bad:
-        return Check("finite logits", FAIL, f"non-finite values on the check batch: {', '.join(bad)}",
-                     "non-finite weights (see 'finite weights') or a target that overflows in its dtype")
-    return Check("finite logits", PASS, f"the drafter's logits on {p.anchors.numel()} check blocks are finite")

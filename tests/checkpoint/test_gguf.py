@@ -530,7 +530,9 @@ def test_llamacpp_drafts_are_read_per_call_from_the_log_for_each_kind():
 
     assert llamacpp.drafts_from_log(DSPARK_LOG) == [[[1603, 338], [282, 338, 617]]]
     assert llamacpp.drafts_from_batches(BATCH_LOG, mask_token_id=16) == [[(2, [198, 428])]]
-    assert llamacpp.SPEC_TYPES == {"dflash": "draft-dflash", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
+    from blockdraft.serving.llamacpp import SPEC_TYPES
+
+    assert SPEC_TYPES == {"dflash": "draft-dflash", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
 
 
 @pytest.mark.parametrize("case", ["dspark", "dflash2"])

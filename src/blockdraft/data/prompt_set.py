@@ -23,6 +23,14 @@ from pathlib import Path
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "data" / "prompts.jsonl.gz"
 
 
+def token_bytes(tokenizer) -> float:
+    """The bytes per token an answer not yet written is given: twice the mean a token of this
+    vocabulary takes in a JSON string (decoded, escaped). Text averages below the mean (long tokens
+    are rare); even a random model's uniform picks stay under twice it."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return 2 * sum(len(json.dumps(t, ensure_ascii=False).encode()) - 2 for t in texts) / max(1, len(texts))
+
+
 def read_prompts(path: str | os.PathLike = DEFAULT_PROMPTS) -> list[tuple[str, list[dict]]]:
     """(id, messages) of a prompt file (JSONL, gzip if it ends .gz)."""
     path = Path(path)
@@ -121,8 +129,6 @@ def magpie_samples(target_name: str, n: int, engine: str, seed: int, samples_pat
     if samples_path is not None:  # each sample a line of at most MAX_TOKENS tokens, before the first is drawn
         from ..atomic import check_free_space
         from .magpie import MAX_TOKENS
-        from .regenerate import token_bytes
-
         line = len(json.dumps({"text": ""})) + 1 + MAX_TOKENS * token_bytes(tok)
         check_free_space(samples_path.parent, int((n - len(have)) * line), f"{n - len(have)} Magpie samples")
 

@@ -22,6 +22,7 @@ import torch
 
 from ..target import stop_token_ids
 from .chat import encode_prompt
+from .prompt_set import token_bytes
 
 ENGINES = ("transformers", "vllm")
 
@@ -68,14 +69,6 @@ def _append(out: Path, records: list[dict]) -> None:
         f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         f.flush()
         os.fsync(f.fileno())
-
-
-def token_bytes(tokenizer) -> float:
-    """The bytes per token an answer not yet written is given: twice the mean a token of this
-    vocabulary takes in a JSON string (decoded, escaped). Text averages below the mean (long tokens
-    are rare); even a random model's uniform picks stay under twice it."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return 2 * sum(len(json.dumps(t, ensure_ascii=False).encode()) - 2 for t in texts) / max(1, len(texts))
 
 
 def answers_bytes(tokenizer, todo: list[tuple], max_new_tokens: int) -> int:

@@ -18,12 +18,11 @@ The comparison has three parts, each from llama.cpp's own output:
   and positions, src/llama-batch.cpp:16, 283-306): the batch whose every token is an output is
   [anchor, drafts...] at the anchor's position.
 
-How llama-server is started for each kind (`SPEC_TYPES`): DFlash and DFlash2 with `--spec-type
+How llama-server is started for each kind (`serving.llamacpp.SPEC_TYPES`): DFlash and DFlash2 with `--spec-type
 draft-dflash` (DFlash2 is told apart by its `selector_top_k`, common/speculative.cpp:1054-1055; the
 type list has no entry of its own, :72-84), DSpark with `draft-dspark` (:78, read at :1022).
 
-`LLAMACPP_CAPTURE`: the HF architectures whose llama.cpp graph records the layer inputs DFlash reads
-(`t_layer_inp`), read from llama.cpp b11434's `src/models/*.cpp` and its converter's registrations.
+What llama.cpp can serve (target architectures, drafter kinds) is blockdraft.serving.llamacpp's.
 """
 
 from __future__ import annotations
@@ -42,21 +41,7 @@ from pathlib import Path
 
 import torch
 
-LLAMACPP_READ = "b11434"
-LLAMACPP_CAPTURE = frozenset((
-    "BailingMoeV3ForCausalLM", "BailingMoeV3VLForConditionalGeneration", "DeepseekV4ForCausalLM",
-    "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration",
-    "GptOssForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanVLForConditionalGeneration", "IQuestCoderForCausalLM",
-    "InternLM3ForCausalLM", "LFM2ForCausalLM", "LLaMAForCausalLM", "Lfm2ForCausalLM", "LlamaForCausalLM",
-    "LlavaForConditionalGeneration", "MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM", "MiniMaxM1ForCausalLM",
-    "MiniMaxM2ForCausalLM", "MiniMaxText01ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-    "NanbeigeForCausalLM", "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen4ExpForCausalLM",
-    "Qwen4ExpForConditionalGeneration", "VLlama3ForCausalLM",
-))
 SERVER_ENV = "BLOCKDRAFT_LLAMA_SERVER"
-SPEC_TYPES = {"dflash": "draft-dflash", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
 _DRAFT_LINE = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+)")
 _REQUEST_LINE = "new prompt, n_ctx_slot"
 _BATCH_START = "init: input batch info:"
@@ -67,7 +52,9 @@ _BATCH_TOKEN = re.compile(r"ubatch_print:\s+\d+: id =\s*(-?\d+) \(.*?\), pos =\s
 
 
 def spec_type(drafter) -> str:
-    """llama-server's `--spec-type` for this drafter's kind."""
+    """llama-server's `--spec-type` for this drafter's kind (blockdraft.serving.llamacpp)."""
+    from ..serving.llamacpp import SPEC_TYPES
+
     return SPEC_TYPES[drafter.config.kind]
 
 

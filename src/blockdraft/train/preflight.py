@@ -84,7 +84,7 @@ def check_resumed_settings(cfg) -> None:
     """--resume continues the run in --out exactly: a setting that would change what it computes
     (the learning rate, the schedule, the data, the drafter) must equal the one it started with,
     as its train_config.json records it."""
-    from .run import CONFIG_FILE
+    from .rundir import CONFIG_FILE
 
     path = Path(cfg.train.out) / CONFIG_FILE
     if not cfg.train.resume or not path.exists():

@@ -26,7 +26,6 @@ from .build import DrafterOptions, build_drafter, continue_drafter
 from .options import TrainConfig
 from .preflight import preflight
 
-CONFIG_FILE = "train_config.json"
 
 
 @dataclass
@@ -358,11 +357,11 @@ def _check_vllm_extract(target_opts: TargetOptions) -> None:
 
 def check_vllm_can_capture(target) -> None:
     """A one-line error where the installed vLLM's class for the target cannot capture hidden states."""
-    from ..serving import vllm_capture
+    from ..serving import engine
 
     archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
-    known, source = vllm_capture()
-    if not any(a in known for a in archs):
+    ok, source = engine("vLLM").captures(archs)
+    if not ok:
         raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3, by "
                          f"{source}); extract with --engine transformers (one rank per shard set under torchrun, "
                          "or --target-device-map), or train with --target-fsdp")

@@ -18,9 +18,11 @@ from ..finite import dumps_finite
 from ..ownership import claim, leftovers, open_private, remove_leftovers, temp_path, write_marker
 from .state import STATE_JSON, STATE_TENSORS
 
+CONFIG_FILE = "train_config.json"  # the run's own settings (trainer.py writes it, preflight.py reads it)
+
 OWNER = "train"
 METRICS, SUMMARY = "metrics.jsonl", "summary.json"
-LAYOUT = {METRICS: None, "train_config.json": None, SUMMARY: None, "loss.png": None, "slot_accuracy.png": None,
+LAYOUT = {METRICS: None, CONFIG_FILE: None, SUMMARY: None, "loss.png": None, "slot_accuracy.png": None,
           "drafter": {"config.json": None, "model.safetensors": None},
           "checkpoint": {STATE_JSON: None, STATE_TENSORS: None}}
 

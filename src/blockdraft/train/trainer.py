@@ -23,7 +23,7 @@ from .distributed import (all_gather_floats, all_reduce_mean, average_gradients,
 from .cadence import Cadence, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
 from .options import TrainConfig
-from .rundir import append_metrics, truncate_metrics
+from .rundir import CONFIG_FILE, append_metrics, truncate_metrics
 from .state import load_state, save_state
 from .step import compute_loss, plan_host
 
@@ -386,7 +386,7 @@ class Trainer:
             self._shard()
         if lead:
             saved = self.run_config or {"train": dataclasses.asdict(self.cfg)}
-            write_text(self.out / "train_config.json", json.dumps(saved, indent=1))
+            write_text(self.out / CONFIG_FILE, json.dumps(saved, indent=1))
 
     def _finish(self, lead: bool) -> None:
         """After the last step: the helper threads stopped, the final drafter written (rank 0)."""

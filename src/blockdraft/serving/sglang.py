@@ -1,4 +1,5 @@
-"""Which HF architectures SGLang can serve a DFlash drafter for (the SGLang row of blockdraft.serving).
+"""SGLang as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving): it reads the
+z-lab layout and serves DFlash drafters only (0.5.23), for the HF architectures below.
 
 SGLang's DFlash worker asks the target model for its drafter's context once, before CUDA graphs
 are captured: the model runner calls `model.set_dflash_layers_to_capture(layer_ids)` when the
@@ -11,7 +12,7 @@ the class the registry maps the checkpoint's `architectures[0]` onto: every modu
 `sglang_capture()` reads that from an installed SGLang's own source (no import of SGLang): the
 registry's classes, and whether each defines the method or inherits it through its bases, across
 the modules they are imported from. Without SGLang it falls back on `SGLANG_CAPTURE`, read that
-way from sglang SGLANG_READ (SGLANG_PROVENANCE; `python -m blockdraft.serving_sglang PATH/TO/sglang` prints it again).
+way from sglang SGLANG_READ (SGLANG_PROVENANCE; `python -m blockdraft.serving.sglang PATH/TO/sglang` prints it again).
 
 What SGLang 0.5.23's DFlash draft model (srt/models/dflash.py, srt/speculative/dflash_utils.py) takes
 from a drafter's config: `layer_types` with "sliding_attention" layers and `sliding_window` (the HF
@@ -24,9 +25,10 @@ rows) are skipped when loading, so a drafter with a reduced draft vocabulary is 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 from pathlib import Path
+
+from .base import Engine, installed_tree, installed_version
 
 CAPTURE_METHOD = "set_dflash_layers_to_capture"
 SGLANG_READ = "0.5.23"
@@ -224,24 +226,22 @@ def read_sglang_capture(sglang_python_dir: Path, method: str = CAPTURE_METHOD) -
 
 def sglang_capture() -> tuple[frozenset[str], str]:
     """(architectures, where the list comes from): the installed SGLang's, else the table above."""
-    from .serving import installed_tree
-
     root = installed_tree("sglang", "srt/models/registry.py")
     if root is not None:
         try:
-            return read_sglang_capture(root), f"the installed SGLang {_version()}"
+            return read_sglang_capture(root), f"the installed SGLang {installed_version('sglang')}"
         except (OSError, SyntaxError, ValueError, RecursionError):  # a tree this reader does not follow
             pass
     return SGLANG_CAPTURE, f"sglang {SGLANG_READ} (read when blockdraft was written; SGLang is not installed here)"
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return "(version unknown)"
+ENGINE = Engine(
+    name="SGLang", release=f"SGLang {SGLANG_READ}", formats=("zlab",), kinds={"dflash": ""},
+    refused_kinds={"dspark": "DFlash drafters only", "dflash2": "DFlash drafters only"},
+    capture=sglang_capture, capture_rule=(CAPTURE_METHOD, f"its class lacks {CAPTURE_METHOD}"),
+    capture_check="target capture (SGLang)", capture_refused="SGLang's DFlash worker refuses it",
+    capture_fix="serve with another engine (vLLM, llama.cpp, blockdraft) or an SGLang that adds it",
+)
 
 
 if __name__ == "__main__":

