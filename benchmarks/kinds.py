@@ -82,10 +82,14 @@ def bench(drafters: dict, sets: list[str], n: int, max_new: int, threads: int, c
     return out
 
 
-def llamacpp(drafter: Path, out: Path, n: int, threads: int) -> dict:
+def llamacpp(drafters: dict, out: Path, n: int, threads: int) -> dict:
+    """llama-server's speed with each kind's GGUF against the target alone, the kinds back to back
+    within each setting (one llamacpp_speed.py run: the ratios share the machine's state)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    cmd = [sys.executable, str(Path(__file__).with_name("llamacpp_speed.py")), "--drafter", str(drafter), "--n", str(n),
-           "--threads", str(threads), "--settings", "15:0", "--json", str(out), "--work", str(out.parent / "llama")]
+    cmd = [sys.executable, str(Path(__file__).with_name("llamacpp_speed.py")), "--n", str(n), "--threads",
+           str(threads), "--settings", "15:0,3:0.3", "--json", str(out), "--work", str(out.parent / "llama")]
+    for d in drafters.values():
+        cmd += ["--drafter", str(d)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
@@ -127,7 +131,7 @@ def main() -> None:
     p.add_argument("--calibration-steps", type=int, default=4)
     p.add_argument("--bench-n", type=int, default=5, help="prompts per set for bench (0: no bench)")
     p.add_argument("--bench-max-new-tokens", type=int, default=128)
-    p.add_argument("--llamacpp", action="store_true", help="also llama-server's speed with each kind's GGUF")
+    p.add_argument("--llamacpp", action="store_true", help="also llama-server's speed with each kind's GGUF (after training, the kinds in one run)")
     p.add_argument("--cut", type=float, default=0.3, help="also bench each kind with this --draft-threshold (0: not)")
     a = p.parse_args()
     kinds = a.only.split(",") if a.only else list(KINDS)
@@ -147,8 +151,6 @@ def main() -> None:
              "train_s": round(train_s["elapsed"]), "wall_s": round(wall), "eval_tau": summary.get("eval_tau"),
              "eval_loss": summary.get("eval_loss"), "eval_slot_accuracy": summary.get("eval_slot_accuracy")}
         print(f"{kind:8} steps={steps:5d} train={r['train_s']:5d}s eval_tau={r['eval_tau']:.4f}", flush=True)
-        if a.llamacpp:
-            r["llamacpp"] = llamacpp(out / "drafter", out / "llamacpp.json", a.bench_n or 5, a.threads)
         results[kind] = r
         if a.json:
             j = Path(a.json)
@@ -168,11 +170,15 @@ def main() -> None:
             else:  # <kind>@cut: the same drafter with a draft threshold
                 kind, _ = k.split("@")
                 results[kind].setdefault("with_threshold", {})[k] = entry
+    more = {}
+    if a.llamacpp:
+        more["llamacpp"] = llamacpp({k: Path(a.out) / k / "drafter" for k in results}, Path(a.out) / "llamacpp.json",
+                                     a.bench_n or 5, a.threads)
     if a.json:
         Path(a.json).write_text(json.dumps({"base": BASE, "extra": a.extra, "budget_min": a.budget_min,
                                             "threads": a.threads, "bench_n": a.bench_n, "cut": a.cut,
-                                            "bench_max_new_tokens": a.bench_max_new_tokens, "runs": results},
-                                           indent=1) + "\n")
+                                            "bench_max_new_tokens": a.bench_max_new_tokens, "runs": results,
+                                            **more}, indent=1) + "\n")
         plot(results, Path(a.json).with_suffix(".png"))
 
 
