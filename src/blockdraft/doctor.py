@@ -223,14 +223,11 @@ def check_kind(drafter) -> Check:
                  "serve it with llama.cpp, or vLLM's V2 runner on a GPU" if note else "")
 
 
-def _architectures(target) -> list[str]:
-    """The target's HF architecture names (its class name when the config has none)."""
-    return list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
-
-
 def capture_check(target, engine) -> Check:
     """Whether `engine` (blockdraft.serving) can hand a DFlash drafter this target's hidden states."""
-    archs = _architectures(target)
+    from .serving.base import architectures
+
+    archs = architectures(target)
     ok, source = engine.captures(archs)
     has, lacks = engine.capture_rule
     if ok:

@@ -237,14 +237,15 @@ def replay(target, drafter, prompt: list[int], output: list[int], drafts: list[l
                                       target.embed(block).to(dt), a, drafter.new_context_cache())
         mine = drafter.kind.draft(drafter, head, hidden[1:], seq[a], rows, None, None).tokens.tolist()
         k = min(len(theirs), len(seq) - 1 - a)
-        agree += sum(int(x == y) for x, y in zip(mine[:k], theirs[:k]))
+        hits = sum(int(x == y) for x, y in zip(mine[:k], theirs[:k]))
+        agree += hits
         total += k
         agree1 += int(mine[0] == theirs[0])
         if chained:  # each step of the walk from llama.cpp's own previous draft
             step += sum(int(drafter.kind.draft(drafter, head, hidden[1 + j:2 + j], theirs[j - 1] if j else seq[a],
                                                rows, None, None).tokens.item() == theirs[j]) for j in range(k))
         else:
-            step += sum(int(x == y) for x, y in zip(mine[:k], theirs[:k]))
+            step += hits
         n_acc = 0
         while n_acc < k and theirs[n_acc] == seq[a + 1 + n_acc]:
             n_acc += 1

@@ -50,12 +50,11 @@ class Engine:
     def reads(self, fmt: str) -> bool:
         return fmt in self.formats
 
-    def differences(self, cfg: DrafterConfig, fmt: str | None = None) -> list[Difference]:
-        """The formats' records naming this engine for `cfg` (of `fmt` alone, or of every format it reads)."""
+    def differences(self, cfg: DrafterConfig) -> list[Difference]:
+        """The records naming this engine, for `cfg`, in the formats it reads."""
         out: list[Difference] = []
-        for name in (fmt,) if fmt else self.formats:
-            if name in self.formats:
-                out += [d for d in format_differences(name, cfg) if d.consumer == self.name and d not in out]
+        for name in self.formats:
+            out += [d for d in format_differences(name, cfg) if d.consumer == self.name and d not in out]
         return out
 
     def captures(self, architectures: list[str]) -> tuple[bool, str]:
@@ -64,6 +63,12 @@ class Engine:
             return True, "it runs the target with transformers"
         known, source = self.capture()
         return any(a in known for a in architectures), source
+
+
+def architectures(target) -> list[str]:
+    """The HF architecture names a target's config gives (its class name when it gives none): what
+    an engine's registry is keyed by."""
+    return list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
 
 
 def format_differences(fmt: str, cfg: DrafterConfig) -> list[Difference]:

@@ -358,8 +358,9 @@ def _check_vllm_extract(target_opts: TargetOptions) -> None:
 def check_vllm_can_capture(target) -> None:
     """A one-line error where the installed vLLM's class for the target cannot capture hidden states."""
     from ..serving import engine
+    from ..serving.base import architectures
 
-    archs = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    archs = architectures(target)
     ok, source = engine("vLLM").captures(archs)
     if not ok:
         raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3, by "
