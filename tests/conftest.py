@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 
 import pytest
 import torch
@@ -12,6 +15,30 @@ from blockdraft.target.tiny import ARCHS, tiny_causal_lm as _tiny_causal_lm  # n
 torch.set_num_threads(1)
 
 V = 160
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on now (for a spawned process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, **kw):
+    """This spawned process as rank `rank` of a gloo group of `world`. The ranks that finish cleanly
+    meet at a barrier before tearing the group down, as blockdraft.train.distributed.leave does: a rank
+    that tears down first can cut a peer still sending, and gloo then aborts the peer
+    ('terminate called without an active exception'). A rank that raised skips the barrier."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def tiny_causal_lm(arch: str, *, vocab: int = V, layers: int = 6, hidden: int = 32, seed: int = 0):

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, gloo_rank
 
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
@@ -80,8 +79,6 @@ def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resum
 
     import blockdraft.train.trainer as trainer_mod
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     evals, real_loss = [], trainer_mod.compute_loss
 
     def counted(*a, **kw):
@@ -99,7 +96,7 @@ def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resum
     if resume:
         slow_metrics_rewrites(rank)
     placement, coll = strict_collectives()
-    try:
+    with gloo_rank(rank, world, port):
         tr = build(out, grad_accum=grad_accum, fsdp=fsdp, memo=memo, steps=steps, kind=kind)
         if stop_after:  # a kill after `stop_after` steps, on every rank
             real = tr.step
@@ -114,8 +111,6 @@ def worker(rank, world, port, out, grad_accum=1, fsdp=False, stop_after=0, resum
                 tr.train(resume=resume)
             except Stop:
                 pass
-    finally:
-        dist.destroy_process_group()
     phase = "resume" if resume else "first"
     kept = {k: sorted(getattr(f, "store", {})) for k, f in (("train", tr.train_features), ("eval", tr.eval_features))}
     (out / f"shim-{rank}-{phase}.json").write_text(json.dumps(
@@ -128,12 +123,6 @@ def shim(out, rank, phase="first"):
 
 def losses(out):
     return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(world, *args):
@@ -187,13 +176,8 @@ def extract_worker(rank, world, port, out):
     from blockdraft.data.features import extract
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         extract(tiny_target("llama"), tiny_rows(10), out, shard_rows=3, rank=rank, world=world, progress=False)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_process_extraction_equals_one_process(tmp_path):
@@ -343,9 +327,7 @@ def test_the_drafter_is_sharded_at_the_precision_it_trains_at(monkeypatch):
 
 
 def differing_worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         tr = build(out, grad_accum=1)
         if rank == 1:  # as a rank whose random state was moved by loading the target would build it
             with torch.no_grad():
@@ -355,8 +337,6 @@ def differing_worker(rank, world, port, out):
             (out / f"r{rank}.txt").write_text("trained")
         except ValueError as e:
             (out / f"r{rank}.txt").write_text(str(e))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ranks_that_built_different_drafters_are_stopped_before_training(tmp_path):

@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, gloo_rank
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 IDS = (torch.arange(80).reshape(2, 40) * 613) % 49152
 POS = torch.cat([torch.arange(25), torch.arange(15)]).expand(2, 40)  # two packed documents per row
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +37,7 @@ def forward_worker(rank, world, port, target_dir, out):
     from blockdraft.target.shard import gathered
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         t = TargetModel.from_pretrained(str(target_dir), layer_ids=[0, 1, 2], device="cpu", shard=True)
         layers = list(t._layers)
         with gathered(layers[-1:]):  # before any forward (the drafter's init from the top layer)
@@ -67,8 +58,6 @@ def forward_worker(rank, world, port, target_dir, out):
         save_file({"features": o.features, "logits": o.logits, "final": final, "top_before": top_before,
                    "top_after": top_after}, str(out / f"r{rank}.safetensors"))
         (out / f"r{rank}.json").write_text(json.dumps({"mine": mine, "whole": whole, "fsdp": fsdp}))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -153,15 +142,12 @@ def differing_worker(rank, world, port, out):
         return model
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        load_sharded(None, dtype=torch.bfloat16, device="cpu", build=build)
-        (out / f"r{rank}.txt").write_text("loaded")
-    except ValueError as e:
-        (out / f"r{rank}.txt").write_text(str(e))
-    finally:
-        dist.destroy_process_group()
+    with gloo_rank(rank, world, port, timeout=datetime.timedelta(seconds=60)):
+        try:
+            load_sharded(None, dtype=torch.bfloat16, device="cpu", build=build)
+            (out / f"r{rank}.txt").write_text("loaded")
+        except ValueError as e:
+            (out / f"r{rank}.txt").write_text(str(e))
 
 
 def test_ranks_whose_targets_differ_all_stop_before_the_broadcast(tmp_path):
