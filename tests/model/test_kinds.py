@@ -142,13 +142,14 @@ def test_dflash2_walk_equals_brute_force_over_the_candidates():
     head = t.head
     out = d.kind.draft(d, head, hidden, 7, None, None, None)
     sel, prev, want = d.candidate_selector, 7, []
-    for h in hidden:
-        logits = head(h[None])[0]
-        cand = logits.topk(4).indices
-        score = [float(logits[c] + (sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ h))
-                       @ sel.successor_codebook[c]) for c in cand]
-        prev = int(cand[max(range(4), key=lambda i: score[i])])
-        want.append(prev)
+    with torch.no_grad():
+        for h in hidden:
+            logits = head(h[None])[0]
+            cand = logits.topk(4).indices
+            score = [float(logits[c] + (sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ h))
+                           @ sel.successor_codebook[c]) for c in cand]
+            prev = int(cand[max(range(4), key=lambda i: score[i])])
+            want.append(prev)
     assert out.tokens.tolist() == want
 
 
