@@ -9,7 +9,7 @@ from blockdraft.config import default_target_layer_ids
 from blockdraft.target import TargetModel, hidden_states_index, layer_id_from_hidden_states_index
 from blockdraft.target.family import final_norm
 from blockdraft.target.tiny import ALL_ARCHS
-from conftest import ARCHS, V, tiny_causal_lm, tiny_target
+from conftest import V, tiny_causal_lm, tiny_target
 
 
 def test_default_layer_ids_match_the_contract():

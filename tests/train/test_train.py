@@ -13,7 +13,7 @@ from blockdraft.model.blocks import supervised_slots
 from blockdraft.train import (Batch, accepted_lengths, compute_loss, dflash_loss, eligible_anchors, prepare,
                               sample_anchors, slot_weights, train_step)
 from blockdraft.target.tiny import ALL_ARCHS
-from conftest import ARCHS, V, tiny_target
+from conftest import V, tiny_target
 
 
 def brute_supervised(doc, lm, anchors, B):
