@@ -212,7 +212,7 @@ def assert_drawn_from(tokens: list[int], q: torch.Tensor) -> None:
     """Chi-square test (99.9%, Wilson-Hilferty) of draws against q: one bin per id expecting >= 5 draws,
     one for all the others together."""
     counts = torch.bincount(torch.tensor(tokens), minlength=q.numel()).double()
-    expected = q.double() * len(tokens)
+    expected = q.detach().double() * len(tokens)
     use = expected >= 5
     counts = torch.cat([counts[use], counts[~use].sum()[None]])
     expected = torch.cat([expected[use], expected[~use].sum()[None]]).clamp(min=1e-9)
