@@ -274,7 +274,7 @@ def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
     # rest of its block; measured 0.93-0.95 against 0.98-0.99 per step, reference/test_llamacpp.py)
     ok = got["identical"] and got["step_agreement"] >= 0.95
     msg = (f"llama.cpp ({got['spec_type']}) drafts blockdraft's tokens in {got['step_agreement']:.1%} of the "
-           f"{'walk steps' if drafter.config.kind != 'dflash' else 'slots'} of its {got['draft_calls']} drafts and "
+           f"{'walk steps' if drafter.kind.chained else 'slots'} of its {got['draft_calls']} drafts and "
            f"accepts {got['llamacpp_tau']:.2f} tokens per step; outputs {'identical' if got['identical'] else 'DIFFER'}")
     return Check("llama.cpp", PASS if ok else FAIL, msg,
                  "" if ok else "llama.cpp computes another function from the GGUF: check `blockdraft convert "

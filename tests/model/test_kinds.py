@@ -260,3 +260,17 @@ def test_kind_fields_of_another_kind_are_refused():
     cfg = DrafterConfig.for_target(t, kind="dflash2")
     assert (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (2, 16, 256, 16)
     assert dataclasses.replace(cfg).kind == "dflash2"
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
+def test_a_kind_is_chained_exactly_when_a_slots_draft_reads_the_token_before_it(kind):
+    """`Kind.chained` (llama.cpp's replay counts a chained kind's walk step by step from llama.cpp's
+    own previous draft): measured against the draft itself, one slot drafted after every token."""
+    t = target()
+    d = dflash(t, **({"kind": kind, **KIND_KW[kind]} if kind != "dflash" else {}))
+    perturb(d)
+    hidden = torch.randn(4, 32)
+    with torch.no_grad():
+        drafts = [{int(d.kind.draft(d, t.head, h[None], prev, None, None, None).tokens) for prev in range(t.vocab_size)}
+                  for h in hidden]
+    assert d.kind.chained == any(len(tokens) > 1 for tokens in drafts), drafts

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from ..serving.llamacpp import DRAFTS_FROM_BATCHES, SPEC_TYPES
+
 SERVER_ENV = "BLOCKDRAFT_LLAMA_SERVER"
 _DRAFT_LINE = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+)")
 _REQUEST_LINE = "new prompt, n_ctx_slot"
@@ -53,8 +55,6 @@ _BATCH_TOKEN = re.compile(r"ubatch_print:\s+\d+: id =\s*(-?\d+) \(.*?\), pos =\s
 
 def spec_type(drafter) -> str:
     """llama-server's `--spec-type` for this drafter's kind (blockdraft.serving.llamacpp)."""
-    from ..serving.llamacpp import SPEC_TYPES
-
     return SPEC_TYPES[drafter.config.kind]
 
 
@@ -221,7 +221,7 @@ def replay(target, drafter, prompt: list[int], output: list[int], drafts: list[l
     def head(h):
         return target.head(h.to(target.dtype), rows)
 
-    chained = drafter.config.kind != "dflash"  # a slot's draft reads the one before it
+    chained = drafter.kind.chained  # a slot's draft reads the one before it
     a, used = len(prompt), 0
     agree = total = agree1 = step = 0
     while used < len(drafts):
@@ -275,7 +275,7 @@ def compare(target, drafter, prompts: list[list[int]], *, target_gguf, drafter_g
     if base is None:
         base = greedy_outputs(binary, target_gguf, prompts, max_new_tokens=max_new_tokens, threads=threads,
                               log_dir=log_dir)
-    from_batches = drafter.config.kind == "dflash2"  # its selector walk logs no draft candidates
+    from_batches = drafter.config.kind in DRAFTS_FROM_BATCHES
     with serve(binary, target_gguf, drafter_gguf, n_max=n_max, threads=threads, debug=True, log_dir=log_dir,
                spec=spec_type(drafter), batches=from_batches) as srv:
         t0 = time.perf_counter()

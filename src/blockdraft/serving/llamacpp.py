@@ -29,6 +29,9 @@ LLAMACPP_CAPTURE = frozenset((
 # How llama-server is told each kind (common/speculative.cpp:72-84; DFlash2 has no entry of its own and
 # is told apart by its selector_top_k, :1054-1055)
 SPEC_TYPES = {"dflash": "draft-dflash", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
+# The kinds whose drafts llama-server does not log (DFlash2's selector walk writes no draft candidates,
+# common/speculative.cpp:1296-1323): they are read from the target's verify batches instead
+DRAFTS_FROM_BATCHES = frozenset({"dflash2"})
 
 
 def llamacpp_capture() -> tuple[frozenset[str], str]:

@@ -65,6 +65,7 @@ class Kind:
     name = "dflash"
     layer = DFlashDecoderLayer
     terms = SlotTerms
+    chained = False  # whether a slot's draft reads the draft before it (DFlash: each slot's own argmax)
 
     def build(self, drafter: nn.Module) -> None:
         """Add the kind's modules beside the layers (its layer modules come with `layer`)."""

@@ -125,6 +125,7 @@ class DFlash2(Kind):
     name = "dflash2"
     layer = DFlash2DecoderLayer
     terms = DFlash2Terms
+    chained = True  # the selector scores each candidate against the previous draft
 
     def build(self, drafter: nn.Module) -> None:
         cfg = drafter.config

@@ -74,6 +74,7 @@ class DSparkTerms(SlotTerms):
 class DSpark(Kind):
     name = "dspark"
     terms = DSparkTerms
+    chained = True  # the Markov bias reads the previous draft
 
     def build(self, drafter: nn.Module) -> None:
         cfg = drafter.config
