@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.doctor import PASS, WARN, check_capture
+from blockdraft.doctor import PASS, WARN, capture_check
+from blockdraft.serving import engine
 from blockdraft.serving.vllm import VLLM_CAPTURE, read_vllm_capture
 from conftest import tiny_target
+
+
+def check_capture(t, name="vLLM"):
+    """doctor's capture check for one engine, as run_doctor runs it for each capturing engine."""
+    return capture_check(t, engine(name))
 
 
 def write(tree, name, text):
@@ -46,30 +52,26 @@ def test_the_committed_table_and_the_doctor_check():
 
 def test_doctor_names_sglang_apart_from_vllm():
     """SGLang's DFlash worker asks for set_dflash_layers_to_capture: Qwen2 is served by vLLM, not SGLang."""
-    from blockdraft.doctor import check_capture_sglang
-
     t = tiny_target("llama")
-    assert check_capture_sglang(t).status == PASS
+    assert check_capture(t, "SGLang").status == PASS
     t.model.config.architectures = ["Qwen2ForCausalLM"]
     assert check_capture(t).status == PASS
-    c = check_capture_sglang(t)
+    c = check_capture(t, "SGLang")
     assert c.status == WARN and "Qwen2ForCausalLM" in c.message and "set_dflash_layers_to_capture" in c.message
 
 
 def test_doctor_names_llamacpp_apart_from_vllm():
     """llama.cpp b11434 records layer inputs for llama, qwen3, gpt-oss, ... but not for qwen2 or
     deepseek-v3 (Kimi-K2), which vLLM serves."""
-    from blockdraft.doctor import check_capture_llamacpp
-
     t = tiny_target("llama")
-    assert check_capture_llamacpp(t).status == PASS
+    assert check_capture(t, "llama.cpp").status == PASS
     for arch in ("Qwen2ForCausalLM", "DeepseekV3ForCausalLM"):
         t.model.config.architectures = [arch]
         assert check_capture(t).status == PASS
-        c = check_capture_llamacpp(t)
+        c = check_capture(t, "llama.cpp")
         assert c.status == WARN and arch in c.message and "b11434" in c.message
     t.model.config.architectures = ["GptOssForCausalLM"]
-    assert check_capture_llamacpp(t).status == PASS
+    assert check_capture(t, "llama.cpp").status == PASS
 
 
 # ---------------------------------------------------------------- the one interface (blockdraft.serving)

@@ -237,24 +237,6 @@ def capture_check(target, engine) -> Check:
                                              f"{source}): {engine.capture_refused}", engine.capture_fix)
 
 
-def check_capture(target) -> Check:
-    from .serving import engine
-
-    return capture_check(target, engine("vLLM"))
-
-
-def check_capture_sglang(target) -> Check:
-    from .serving import engine
-
-    return capture_check(target, engine("SGLang"))
-
-
-def check_capture_llamacpp(target) -> Check:
-    from .serving import engine
-
-    return capture_check(target, engine("llama.cpp"))
-
-
 def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
     """llama-server with this drafter's GGUF against target-only llama-server and blockdraft's drafter."""
     import tempfile
