@@ -97,7 +97,6 @@ class Classes:
         return self.memo[key]
 
 
-
 def read_vllm_capture(vllm_dir: Path) -> frozenset[str]:
     """The HF architectures whose vLLM class captures hidden states, from a vLLM source tree."""
     models = Path(vllm_dir) / "model_executor" / "models"

@@ -27,7 +27,6 @@ from .options import TrainConfig
 from .preflight import preflight
 
 
-
 @dataclass
 class RunConfig:
     """Everything a training run is: its target, data, drafter and schedule."""
