@@ -91,18 +91,51 @@ def serve(job: dict) -> dict:
             **(counters(llm) if spec else {})}
 
 
-def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800) -> dict:
-    """`serve(job)` in a fresh process (vLLM keeps its memory until its process ends)."""
+# vLLM's parent prints this when its engine process never became ready: the worker died while loading,
+# compiling or profiling (seen once in CI, at the first drafter start after a target-only start)
+STARTUP_FAILED = "Engine core initialization failed"
+CAUSES = ("died unexpectedly", "Illegal instruction", "Segmentation fault", "Killed", "out of memory", "Error:")
+
+
+def failure_cause(log: str) -> str:
+    """The line of a vLLM log that says why it stopped: the first naming a dead worker's exit code, else
+    a signal, else an error (CAUSES in that order); else its last line. The tail of a failed start is
+    the parent's traceback, not the cause."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for cause in CAUSES:
+        found = next((ln for ln in lines if cause in ln), None)
+        if found:
+            return found
+    return lines[-1] if lines else "no output"
+
+
+def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, retries: int = 1) -> dict:
+    """`serve(job)` in a fresh process (vLLM keeps its memory until its process ends). Its whole log is kept
+    next to the job (NAME.log). An engine that fails to start is started again, up to `retries` times,
+    without vLLM's compile cache (a cached kernel from another run is the one input a retry can change);
+    a failure after the engine started is raised at once."""
+    if retries < 0:
+        raise ValueError(f"retries must be 0 or more, not {retries}")
     job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
     job_path.write_text(json.dumps(job))
     n = os.cpu_count() or 1
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}"),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
-    proc = subprocess.run([sys.executable, "-m", "blockdraft.engines.vllm", str(job_path), str(out_path)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out_path.read_text())
+    for attempt in range(retries + 1):
+        log_path = workdir / (f"{name}.log" if attempt == 0 else f"{name}.retry{attempt}.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, "-m", "blockdraft.engines.vllm", str(job_path), str(out_path)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            return json.loads(out_path.read_text())
+        text = log_path.read_text(errors="replace")
+        cause = failure_cause(text)
+        if attempt < retries and STARTUP_FAILED in text:
+            print(f"vLLM did not start ({cause}; log: {log_path}); starting it again without its compile cache",
+                  file=sys.stderr, flush=True)
+            env = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1"}
+            continue
+        raise RuntimeError(f"vLLM exited with {proc.returncode}: {cause} (whole log: {log_path})\n{text[-6000:]}")
 
 
 def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 96) -> dict:
