@@ -28,7 +28,7 @@ def scripted(outcomes):
     writing the job's result on exit code 0. Records each start's environment."""
     calls = []
 
-    def run(argv, *, env, stdout, stderr, text, timeout):
+    def run(argv, *, env, stdout, stderr, timeout):
         assert stderr is subprocess.STDOUT
         log, rc = outcomes[len(calls)]
         calls.append(dict(env))

@@ -125,7 +125,7 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, 
         log_path = workdir / (f"{name}.log" if attempt == 0 else f"{name}.retry{attempt}.log")
         with open(log_path, "w") as log:
             proc = subprocess.run([sys.executable, "-m", "blockdraft.engines.vllm", str(job_path), str(out_path)],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
         if proc.returncode == 0:
             return json.loads(out_path.read_text())
         text = log_path.read_text(errors="replace")
