@@ -24,7 +24,7 @@ from pathlib import Path
 def time_engine_start() -> list:
     """Seconds each vLLM engine construction took, appended as they happen (the transformers
     engine gets a loaded model, so its load is outside its timing)."""
-    from blockdraft.engines import vllm as engines
+    from blockdraft.engines.vllm import job as engines
 
     taken, build = [], engines.Engine.__init__
 

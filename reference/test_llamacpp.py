@@ -43,7 +43,7 @@ import torch
 
 from blockdraft.checkpoint import load_drafter
 from blockdraft.data.chat import encode_prompt
-from blockdraft.engines import llamacpp
+from blockdraft.engines.llamacpp import server as llamacpp
 from blockdraft.generate.speculative import speculative_generate
 from blockdraft.target import TargetModel, stop_token_ids
 from blockdraft.target.files import target_gguf

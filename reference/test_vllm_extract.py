@@ -27,7 +27,7 @@ import torch
 from common import threads
 
 from blockdraft.data.features import DiskFeatures
-from blockdraft.engines.vllm_capture import segments
+from blockdraft.engines.vllm.capture import segments
 
 pytest.importorskip("vllm")
 threads()

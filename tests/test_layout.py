@@ -15,8 +15,8 @@ LAYERS = (
     ("__init__", "options", "locks", "process_group", "ownership", "atomic", "finite"),  # no blockdraft algorithm
     ("config",),  # the drafter's side of the contract
     ("model", "target", "checkpoint", "pairing"),  # the two models and their files
-    ("serving",),  # who serves what (reads checkpoint's formats)
-    ("data", "engines", "generate", "bench"),  # what runs them
+    ("serving", "data", "engines", "generate", "bench"),  # who serves what, and what runs them (an engine's
+    # package holds both: engines.vllm.consumer is read by serving)
     ("train", "plan"),
     ("doctor",),  # the checks (a command's library)
     ("cli", "__main__"),
@@ -91,7 +91,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_reader_sees_imports_inside_functions_and_relative_ones():
     graph = imports()
     assert "blockdraft.serving" in graph["blockdraft.doctor"]  # `from . import serving` inside a function
-    assert "blockdraft.checkpoint.formats.base" in graph["blockdraft.serving.vllm"]  # `from ..checkpoint...`
+    assert "blockdraft.checkpoint.formats.base" in graph["blockdraft.engines.vllm.consumer"]  # `from ...checkpoint...`
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -8,7 +8,7 @@ import torch
 
 from blockdraft.doctor import PASS, WARN, capture_check
 from blockdraft.serving import engine
-from blockdraft.serving.vllm import VLLM_CAPTURE, read_vllm_capture
+from blockdraft.engines.vllm.consumer import VLLM_CAPTURE, read_vllm_capture
 from conftest import tiny_target
 
 

@@ -1,4 +1,4 @@
-"""engines.vllm.run_job, the process boundary around a vLLM engine: a start that fails is retried once
+"""engines.vllm.job.run_job, the process boundary around a vLLM engine: a start that fails is retried once
 without the compile cache, any other failure is raised at once, and the error names the cause a failed
 start prints far above its traceback. vLLM itself is replaced by a scripted process; the reference suite
 (reference/test_vllm.py) runs the real one."""
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from blockdraft.engines import vllm as engine
+from blockdraft.engines.vllm import job as engine
 
 # what a failed start printed in CI, cut down: the cause, then pages of the parent's traceback
 DEAD_WORKER = ("INFO loading weights\n"

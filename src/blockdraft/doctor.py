@@ -244,7 +244,7 @@ def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
     from .bench.prompts import load_prompt_set
     from .checkpoint.native import export_gguf
     from .data.chat import encode_prompt
-    from .engines.llamacpp import compare
+    from .engines.llamacpp.server import compare
 
     prompts = [encode_prompt(target.tokenizer, m)[0].tolist() for m in load_prompt_set("mtbench", 3)]
     src = target_gguf or _target_gguf(drafter)
@@ -369,7 +369,7 @@ def check_serving(target, drafter, sample_ids: torch.Tensor) -> Check:
 
 
 def check_vllm(target, drafter, sample_ids: torch.Tensor) -> Check:
-    from .engines.vllm import vllm_acceptance
+    from .engines.vllm.job import vllm_acceptance
 
     got = vllm_acceptance(target, drafter, sample_ids[:, :256])
     ok = abs(got["vllm_tau"] - got["tau"]) <= 0.05 * got["tau"] and got["identical"]

@@ -526,11 +526,11 @@ def test_llamacpp_drafts_are_read_per_call_from_the_log_for_each_kind():
     DFlash2 logs no candidates: its drafts are the target's verify batches (every token an output),
     not the drafter's noise block ([anchor, mask...]) nor the prompt (one output); a token's text may
     hold a newline."""
-    from blockdraft.engines import llamacpp
+    from blockdraft.engines.llamacpp import server as llamacpp
 
     assert llamacpp.drafts_from_log(DSPARK_LOG) == [[[1603, 338], [282, 338, 617]]]
     assert llamacpp.drafts_from_batches(BATCH_LOG, mask_token_id=16) == [[(2, [198, 428])]]
-    from blockdraft.serving.llamacpp import SPEC_TYPES
+    from blockdraft.engines.llamacpp.consumer import SPEC_TYPES
 
     assert SPEC_TYPES == {"dflash": "draft-dflash", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
 
@@ -539,7 +539,7 @@ def test_llamacpp_drafts_are_read_per_call_from_the_log_for_each_kind():
 def test_llamacpp_replay_walks_the_kind_from_the_anchor_token(case):
     """The slot agreement compares llama.cpp's drafts with the kind's own walk (DSpark's Markov chain,
     DFlash2's selector) from the anchor token, not with each slot's argmax."""
-    from blockdraft.engines import llamacpp
+    from blockdraft.engines.llamacpp import server as llamacpp
 
     torch.manual_seed(0)
     kw = {k: v for k, v in KIND_CASES[case].items() if k != "draft_vocab_size"}

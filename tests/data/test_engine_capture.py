@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from blockdraft.data.features import DiskFeatures, extract
-from blockdraft.engines.vllm_capture import EngineOutputs, capture_ids, engine_kwargs, segment_name, segments
+from blockdraft.engines.vllm.capture import EngineOutputs, capture_ids, engine_kwargs, segment_name, segments
 from blockdraft.ownership import claim
 from blockdraft.target import final_norm_of
 from conftest import tiny_rows, tiny_target
@@ -45,7 +45,7 @@ def test_the_engine_runs_with_no_prefix_cache_and_blockdrafts_ids():
     spec = kw["speculative_config"]
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 9, 30]
-    assert kw["kv_transfer_config"]["kv_connector_module_path"] == "blockdraft.engines.vllm_connector"
+    assert kw["kv_transfer_config"]["kv_connector_module_path"] == "blockdraft.engines.vllm.connector"
     cuda = engine_kwargs({"target": "/m", "dtype": "bfloat16", "tmp_dir": "/t", "aux_ids": [2], "max_model_len": 9,
                           "connector": "ExampleHiddenStatesConnector"})
     assert "kv_connector_module_path" not in cuda["kv_transfer_config"]  # vLLM's own connector on CUDA

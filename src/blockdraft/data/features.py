@@ -147,7 +147,7 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
 
     The target runs `batch_tokens` tokens (whole rows) at a time; `dtype` (default: the target's
     own, bf16 on CUDA) is what the shards store. `outputs` (rows -> StoredOutputs) gives a shard's
-    outputs instead (an engine's captured states: `engines.vllm_capture.EngineOutputs`; its
+    outputs instead (an engine's captured states: `engines.vllm.capture.EngineOutputs`; its
     `done(rows)` is called once the shard is written); `identity` adds manifest entries."""
     from tqdm.auto import tqdm
 

@@ -71,7 +71,7 @@ def magpie_generator(engine: str, target_name: str, batch: int = 1024):
     from ..target import stop_token_ids
 
     if engine == "vllm":
-        from ..engines.vllm import Engine
+        from ..engines.vllm.job import Engine
         from ..target import TargetFiles
 
         files = TargetFiles.resolve(target_name)

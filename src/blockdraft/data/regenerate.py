@@ -141,7 +141,7 @@ def _answer(target, prompts: list[tuple[object, list[dict]]], out: Path, *, max_
     stop = stop_token_ids(tok)
     vllm = None
     if engine == "vllm" and todo:
-        from ..engines.vllm import Engine
+        from ..engines.vllm.job import Engine
 
         vllm = Engine(target.local_dir, **(engine_options or {}))  # tensor_parallel_size, memory
     written = 0

@@ -1,6 +1,7 @@
 """Who serves a blockdraft drafter, one module per consumer behind one interface (`base.Engine`):
 vLLM, SGLang and llama.cpp (serving engines), z-lab's dflash and speculators (libraries that load
-the same files). `doctor` and `convert` ask this package; adding an engine is one module and one
+the same files). vLLM's and llama.cpp's live in their engine's own package (`engines.vllm.consumer`,
+`engines.llamacpp.consumer`), beside the code that runs them. `doctor` and `convert` ask this package; adding an engine is one module and one
 entry in ENGINES, adding a drafter kind one entry in each engine's `kinds` or `refused_kinds`.
 """
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 from ..checkpoint.formats import FORMATS, GGUF, Difference
 from ..config import DrafterConfig
-from . import dflash, llamacpp, sglang, speculators, vllm
+from ..engines.llamacpp import consumer as llamacpp
+from ..engines.vllm import consumer as vllm
+from . import dflash, sglang, speculators
 from .base import Engine, format_differences, installed_tree
 
 ENGINES: dict[str, Engine] = {e.ENGINE.name: e.ENGINE for e in (vllm, sglang, llamacpp, dflash, speculators)}

@@ -281,9 +281,9 @@ def throughput(tokens: int, seconds: float, what: str, start_s: float | None = N
 def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions) -> str:
     """`extract --engine vllm`: vLLM captures the states of every document's tokens (one engine
     process per replica), then this process writes the same shards as `extract`, taking the final
-    state from the target's own final norm and the argmax from its own head (engines.vllm_capture)."""
+    state from the target's own final norm and the argmax from its own head (engines.vllm.capture)."""
     from ..data.features import auto_shard_rows, extract, holds_other_files
-    from ..engines.vllm_capture import STATES, EngineOutputs, capture, capture_ids, segment_name
+    from ..engines.vllm.capture import STATES, EngineOutputs, capture, capture_ids, segment_name
     from ..target import TargetModel, final_norm_of
 
     _check_vllm_extract(target_opts)

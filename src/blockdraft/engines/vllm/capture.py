@@ -17,7 +17,7 @@ transformers keeps attention inside each, so each is its own vLLM request, and t
 back together from them. Each request's file is renamed to its segment's name once written, so a
 run that stops is resumed from the segments still missing.
 
-    python -m blockdraft.engines.vllm_capture JOB.json   (run by `capture`, in its own process)
+    python -m blockdraft.engines.vllm.capture JOB.json   (run by `capture`, in its own process)
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ..data.features import ENGINE_STATES as STATES  # the segment files' folder inside the cache directory
-from ..target import hidden_states_index
+from ...data.features import ENGINE_STATES as STATES  # the segment files' folder inside the cache directory
+from ...target import hidden_states_index
 
 
 def capture_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -65,7 +65,7 @@ def engine_kwargs(job: dict) -> dict:
     connector = {"kv_connector": job.get("connector", "HostHiddenStatesConnector"), "kv_role": "kv_producer",
                  "kv_connector_extra_config": {"shared_storage_path": job["tmp_dir"]}}
     if connector["kv_connector"] == "HostHiddenStatesConnector":
-        connector["kv_connector_module_path"] = "blockdraft.engines.vllm_connector"
+        connector["kv_connector_module_path"] = "blockdraft.engines.vllm.connector"
     return dict(model=job["target"], dtype=job["dtype"], gpu_memory_utilization=job.get("memory", 0.9),
                 max_model_len=job["max_model_len"], seed=0, enable_prefix_caching=False,  # a cached prefix
                 tensor_parallel_size=job.get("tensor_parallel_size", 1),  # would be skipped, its states unwritten
@@ -130,7 +130,7 @@ def capture(job: dict, *, replicas: int = 1, gpus_per_replica: int = 0, timeout:
         env = dict(os.environ)
         if gpus_per_replica:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * gpus_per_replica + g) for g in range(gpus_per_replica))
-        procs.append((path, subprocess.Popen([sys.executable, "-m", "blockdraft.engines.vllm_capture", str(path)],
+        procs.append((path, subprocess.Popen([sys.executable, "-m", "blockdraft.engines.vllm.capture", str(path)],
                                              env=env)))
     results, failed = [], []
     for path, p in procs:
@@ -164,7 +164,7 @@ class EngineOutputs:
     def __call__(self, idx):
         from safetensors.torch import load_file
 
-        from ..data.features import StoredOutputs, full_argmax
+        from ...data.features import StoredOutputs, full_argmax
 
         n, L, H = len(idx), self.rows["input_ids"].shape[1], self.target.hidden_size
         dev, dt = self.target.device, self.target.dtype
