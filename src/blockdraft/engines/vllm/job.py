@@ -20,6 +20,10 @@ import time
 from pathlib import Path
 
 
+class EngineFailed(RuntimeError):
+    """A vLLM engine that did not start or stopped: its first line names vLLM's own reason and the log."""
+
+
 def counters(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
@@ -135,7 +139,7 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, 
                   file=sys.stderr, flush=True)
             env = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1"}
             continue
-        raise RuntimeError(f"vLLM exited with {proc.returncode}: {cause} (whole log: {log_path})\n{text[-6000:]}")
+        raise EngineFailed(f"vLLM exited with {proc.returncode}: {cause} (whole log: {log_path})\n{text[-6000:]}")
 
 
 def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 96) -> dict:

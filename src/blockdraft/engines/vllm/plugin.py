@@ -1,0 +1,335 @@
+"""blockdraft's vLLM plugin: the layer states `extract_hidden_states` needs, for target classes vLLM wrote
+without them (Glm4Moe first: GLM-4.5/4.6/4.7; Gemma-2/3, Mixtral, Cohere, GLM-4, Falcon-H1).
+
+vLLM's `extract_hidden_states` method asks the target class for the states entering chosen layers
+(`SupportsEagle3`: `set_aux_hidden_state_layers`, and a forward that returns them beside its output);
+a class without that interface is refused. Every such class in vLLM is a causal-LM wrapper around a
+decoder model whose forward runs the layers in one loop over `islice(self.layers, ...)`. For those,
+this plugin makes the class vLLM itself would have written, from vLLM's own source:
+
+* the decoder model's forward, with its loop rewritten to record each layer's input stream
+  (`hidden + residual`, or `hidden` where a layer keeps no separate residual) through vLLM's own
+  `EagleModelMixin._maybe_add_hidden_state`, and to return `(output, states)` when layers were asked
+  for: the same statements vLLM's own Eagle-3 targets carry (qwen3_moe.py, llama.py), and nothing else
+  of the forward changed (embedding scales, norms, pipeline stages stay vLLM's code);
+* the wrapper class, marked `SupportsEagle3`, building that decoder model instead of vLLM's.
+
+A decoder model that already records them (GLM-4 reuses Llama's) only has its wrapper marked. A
+class whose source does not have that shape is left alone, and `can_capture` says why.
+
+The plugin acts only in engines blockdraft starts for capture: they carry `ENV` (the architectures
+to give states to) in their environment, and vLLM loads the plugin in each of its processes through
+its `vllm.general_plugins` entry point (`launch.plugin_path`). Without `ENV` it does nothing, so an
+installed blockdraft never changes what a user's own vLLM serves. The rewritten forward is written to
+a file (`BLOCKDRAFT_VLLM_AUX_DIR`, default the system's temporary folder) so that tracebacks, Python's
+`inspect` and vLLM's compile cache see real source.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "BLOCKDRAFT_VLLM_PLUGIN"
+AUX_DIR_ENV = "BLOCKDRAFT_VLLM_AUX_DIR"
+PREFIX = "Aux__"
+MODELS = "vllm.model_executor.models"
+AUX, INDEX = "_blockdraft_aux", "_blockdraft_i"
+
+
+# --------------------------------------------------------------------------- reading vLLM's source
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the plugin does for one wrapper class: build `inner` (defined in `inner_module`) with its
+    forward rewritten (`rewrite`), or only mark the wrapper (the inner model records states already)."""
+
+    inner_module: str
+    inner: str
+    rewrite: bool
+
+
+def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _imports(tree: ast.Module, package: str) -> dict[str, str]:
+    """name -> the vLLM model module it is imported from (relative or absolute); `package`: the
+    package of the module read ("" for the models folder itself)."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.level == 1:
+                mod = f"{package}.{node.module}" if package else node.module
+            elif node.level == 0 and node.module.startswith(MODELS + "."):
+                mod = node.module[len(MODELS) + 1:]
+            else:
+                continue
+            for a in node.names:
+                out[a.asname or a.name] = mod
+    return out
+
+
+def _model_call(init: ast.FunctionDef) -> str | None:
+    """X in `self.model = X(...)` inside an __init__."""
+    for node in ast.walk(init):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
+            t, f = node.targets[0], node.value.func
+            if (isinstance(t, ast.Attribute) and t.attr == "model" and isinstance(t.value, ast.Name)
+                    and t.value.id == "self" and isinstance(f, ast.Name)):
+                return f.id
+    return None
+
+
+def find_loop(fn: ast.FunctionDef) -> tuple[int, ast.For, ast.Assign, str, str | None] | str:
+    """(index in the body, the layer loop, the layer call's assignment, the hidden-state name, the
+    residual name or None) of a decoder forward, or why it has not the shape this plugin rewrites."""
+    if fn.decorator_list:
+        return "its forward is decorated"
+    if not (isinstance(fn.body[-1], ast.Return) and fn.body[-1].value is not None):
+        return "its forward does not end by returning its output"
+    for i, stmt in enumerate(fn.body):
+        if isinstance(stmt, ast.For) and "self.layers" in ast.unparse(stmt.iter):
+            calls = [s for s in stmt.body if isinstance(s, ast.Assign) and len(s.targets) == 1
+                     and isinstance(s.value, ast.Call)]
+            if len(calls) != 1:
+                return "its layer loop does not make exactly one layer call"
+            t = calls[0].targets[0]
+            if isinstance(t, ast.Name):
+                return i, stmt, calls[0], t.id, None
+            if isinstance(t, ast.Tuple) and len(t.elts) == 2 and all(isinstance(e, ast.Name) for e in t.elts):
+                h, r = t.elts[0].id, t.elts[1].id
+                before = {n.id for s in fn.body[:i] for n in ast.walk(s) if isinstance(n, ast.Name)
+                          and isinstance(n.ctx, ast.Store)}
+                if r not in before:
+                    return f"its residual {r!r} is not set before the layer loop"
+                return i, stmt, calls[0], h, r
+            return "its layer call does not return (hidden, residual) or hidden"
+    return "its forward has no loop over self.layers"
+
+
+def _records_states(fn: ast.FunctionDef) -> bool:
+    return "_maybe_add_hidden_state" in ast.unparse(fn)
+
+
+def _passes_through(fn: ast.FunctionDef | None) -> bool:
+    """A wrapper forward that returns what `self.model(...)` returned, untouched."""
+    if fn is None:
+        return False
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return False
+    ret = body[-1].value
+
+    def is_model_call(v):
+        return isinstance(v, ast.Call) and ast.unparse(v.func) == "self.model"
+
+    if is_model_call(ret) and len(body) == 1:
+        return True
+    return (len(body) == 2 and isinstance(body[0], ast.Assign) and is_model_call(body[0].value)
+            and isinstance(ret, ast.Name) and len(body[0].targets) == 1
+            and ast.unparse(body[0].targets[0]) == ret.id)
+
+
+class Source:
+    """vLLM's model modules read as text (an installed tree, without importing vLLM)."""
+
+    def __init__(self, models_dir: str | os.PathLike):
+        self.dir, self.trees = Path(models_dir), {}
+
+    def _path(self, module: str) -> tuple[Path, str] | None:
+        """(file, its package) of a model module ("a.b": a/b.py or a/b/__init__.py)."""
+        base = self.dir.joinpath(*module.split("."))
+        if base.with_suffix(".py").exists():
+            return base.with_suffix(".py"), module.rpartition(".")[0]
+        if (base / "__init__.py").exists():
+            return base / "__init__.py", module
+        return None
+
+    def tree(self, module: str) -> ast.Module | None:
+        if module not in self.trees:
+            found = self._path(module)
+            self.trees[module] = ast.parse(found[0].read_text()) if found else None
+        return self.trees[module]
+
+    def resolve(self, module: str, name: str, depth: int = 0) -> tuple[str, ast.ClassDef] | None:
+        """The module and class node a name refers to in `module` (defined there or imported)."""
+        tree = self.tree(module)
+        if tree is None or depth > 8:
+            return None
+        found = _classes(tree).get(name)
+        if found is not None:
+            return module, found
+        mod = _imports(tree, self._path(module)[1]).get(name)
+        return self.resolve(mod, name, depth + 1) if mod else None
+
+    def method(self, module: str, cls: ast.ClassDef, name: str, depth: int = 0):
+        """(module, function node) of a method, looked up through the class's bases."""
+        fn = _method(cls, name)
+        if fn is not None or depth > 8:
+            return (module, fn) if fn is not None else None
+        for base in cls.bases:
+            b = base.id if isinstance(base, ast.Name) else None
+            got = self.resolve(module, b) if b else None
+            if got is not None:
+                found = self.method(got[0], got[1], name, depth + 1)
+                if found is not None:
+                    return found
+        return None
+
+    def supports_eagle3(self, module: str, cls_name: str, depth: int = 0) -> bool:
+        """Whether vLLM's class implements SupportsEagle3 (through its bases), as its source says."""
+        got = self.resolve(module, cls_name)
+        if got is None or depth > 12:
+            return False
+        mod, cls = got
+        for base in cls.bases:
+            b = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+            if b == "SupportsEagle3" or (b and b != cls_name and self.supports_eagle3(mod, b, depth + 1)):
+                return True
+        return False
+
+    def plan(self, module: str, cls_name: str) -> Plan | str:
+        """What the plugin does for wrapper class `cls_name` of `module`, or why it cannot."""
+        got = self.resolve(module, cls_name)
+        if got is None:
+            return f"{cls_name} is not in vLLM's {module}.py"
+        mod, cls = got
+        init = self.method(mod, cls, "__init__")
+        inner = _model_call(init[1]) if init else None
+        if inner is None:
+            return f"{cls_name} builds no `self.model = ...(...)` decoder model"
+        if not _passes_through((self.method(mod, cls, "forward") or (None, None))[1]):
+            return f"{cls_name}.forward does more than return its decoder model's output"
+        where = self.resolve(init[0], inner)
+        if where is None:
+            return f"{cls_name}'s decoder model {inner} is not found in vLLM's source"
+        fwd = self.method(where[0], where[1], "forward")
+        if fwd is None:
+            return f"{inner} has no forward"
+        if _records_states(fwd[1]):
+            return Plan(where[0], inner, rewrite=False)
+        loop = find_loop(fwd[1])
+        if isinstance(loop, str):
+            return f"{inner}: {loop}"
+        return Plan(where[0], inner, rewrite=True)
+
+
+def can_capture(models_dir: str | os.PathLike, module: str, cls_name: str) -> tuple[bool, str]:
+    """(whether blockdraft's plugin gives this class the states, the reason when it cannot)."""
+    got = Source(models_dir).plan(module, cls_name)
+    return (True, "") if isinstance(got, Plan) else (False, got)
+
+
+# --------------------------------------------------------------------------- in vLLM's processes
+
+
+def rewrite_forward(source: str) -> str:
+    """A decoder forward's source with the layer states recorded (see the module's docstring)."""
+    tree = ast.parse(textwrap.dedent(source))
+    fn = tree.body[0]
+    got = find_loop(fn)
+    if isinstance(got, str):
+        raise ValueError(got)
+    i, loop, call, h, r = got
+    res = r or "None"
+    loop.iter = ast.Call(func=ast.Name("enumerate", ast.Load()), args=[loop.iter],
+                         keywords=[ast.keyword("start", ast.parse("self.start_layer", mode="eval").body)])
+    loop.target = ast.Tuple([ast.Name(INDEX, ast.Store()), loop.target], ast.Store())
+    loop.body.insert(loop.body.index(call) + 1,
+                     ast.parse(f"self._maybe_add_hidden_state({AUX}, {INDEX} + 1, {h}, {res})").body[0])
+    fn.body.insert(i, ast.parse(f"{AUX} = self._maybe_add_hidden_state([], self.start_layer, {h}, {res})").body[0])
+    out = fn.body[-1].value
+    fn.body[-1] = ast.Return(ast.IfExp(test=ast.Name(AUX, ast.Load()),
+                                       body=ast.Tuple([out, ast.Name(AUX, ast.Load())], ast.Load()), orelse=out))
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+def _written(source: str, name: str) -> Path:
+    """The rewritten source as a file (the same bytes are written once)."""
+    root = Path(os.environ.get(AUX_DIR_ENV) or Path(tempfile.gettempdir()) / f"blockdraft-vllm-aux-{os.getuid()}")
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{name}-{hashlib.sha256(source.encode()).hexdigest()[:12]}.py"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    return path
+
+
+def build(module: str, cls_name: str):
+    """The wrapper class with layer states for vLLM's `cls_name` of `module` (in a vLLM process)."""
+    import importlib
+    import inspect
+
+    from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
+
+    mod = importlib.import_module(f"{MODELS}.{module}")
+    outer = getattr(mod, cls_name)
+    plan = Source(Path(mod.__file__).parent).plan(module, cls_name)
+    if isinstance(plan, str):
+        raise ValueError(f"blockdraft's vLLM plugin cannot give {cls_name} its layer states: {plan}")
+    inner = getattr(importlib.import_module(f"{MODELS}.{plan.inner_module}"), plan.inner)
+    attrs = {"__module__": __name__, "__qualname__": f"{cls_name}WithStates", "supports_eagle3": True}
+    if plan.rewrite:
+        fwd = inner.forward
+        src = rewrite_forward(inspect.getsource(fwd))
+        ns = dict(fwd.__globals__)
+        exec(compile(src, str(_written(src, f"{plan.inner_module}.{plan.inner}")), "exec"), ns)
+        forward = ns["forward"]
+        with_states = type(f"{plan.inner}WithStates", (inner, EagleModelMixin),
+                           {"forward": forward, "__module__": __name__})
+        forward.__qualname__ = f"{with_states.__name__}.forward"
+        init_globals = outer.__init__.__globals__
+
+        def __init__(self, *, vllm_config, prefix: str = ""):  # the signature vLLM looks for
+            saved = init_globals[plan.inner]
+            init_globals[plan.inner] = with_states  # the wrapper builds the decoder model by this name
+            try:
+                outer.__init__(self, vllm_config=vllm_config, prefix=prefix)
+            finally:
+                init_globals[plan.inner] = saved
+
+        attrs["__init__"] = __init__
+    return type(f"{cls_name}WithStates", (outer, SupportsEagle3), attrs)
+
+
+def __getattr__(name: str):
+    """`PREFIX module__Class`: the class `register` points vLLM's registry at, built on first use."""
+    if not name.startswith(PREFIX) or "__" not in name[len(PREFIX):]:
+        raise AttributeError(name)
+    module, cls_name = name[len(PREFIX):].split("__", 1)
+    built = globals()[name] = build(module, cls_name)
+    return built
+
+
+def register() -> None:
+    """vLLM's plugin hook (every vLLM process): in a capture engine blockdraft started, point each
+    architecture `ENV` names at the class this module builds for it (lazily, by name)."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    from vllm import ModelRegistry
+
+    for arch in json.loads(spec).get("architectures", []):
+        entry = ModelRegistry.models.get(arch)
+        module, cls = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
+        if module is None or not module.startswith(MODELS + ".") or cls is None:
+            continue  # already ours (plugins load more than once), or not one of vLLM's own modules
+        short = module[len(MODELS) + 1:]
+        source = Source(Path(sys.modules["vllm"].__file__).parent / "model_executor" / "models")
+        if source.supports_eagle3(short, cls) or not isinstance(source.plan(short, cls), Plan):
+            continue  # vLLM's own class captures; or one the plugin cannot change (can_capture says why)
+        ModelRegistry.register_model(arch, f"{__name__}:{PREFIX}{short}__{cls}")
