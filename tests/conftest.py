@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -39,6 +40,26 @@ def gloo_rank(rank: int, world: int, port: int, **kw):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _rank_then_exit(rank: int, fn, *args) -> None:
+    """Run one spawned rank's `fn`, then end the process at once once it finished cleanly. A rank that
+    returns normally runs the interpreter's teardown, where torch's and gloo's native threads are
+    destroyed; under load that teardown has aborted a rank that had finished its work ('terminate
+    called without an active exception', seen in CI and here after every assertion had its data).
+    What a rank writes is flushed first; a rank that raised still raises, as before."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(fn, nprocs: int, args: tuple, join: bool = True):
+    """torch.multiprocessing.spawn of `fn(rank, *args)` over `nprocs` ranks, each ending as
+    `_rank_then_exit` says."""
+    import torch.multiprocessing as mp
+
+    return mp.spawn(_rank_then_exit, args=(fn, *args), nprocs=nprocs, join=join)
 
 
 def tiny_causal_lm(arch: str, *, vocab: int = V, layers: int = 6, hidden: int = 32, seed: int = 0):

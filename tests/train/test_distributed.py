@@ -13,8 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port, gloo_rank
+from conftest import free_port, gloo_rank, spawn_ranks
 
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
@@ -126,7 +125,7 @@ def losses(out):
 
 
 def spawn(world, *args):
-    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+    spawn_ranks(worker, world, (world, free_port(), *args), join=True)
 
 
 def metrics(out):
@@ -187,7 +186,7 @@ def test_two_process_extraction_equals_one_process(tmp_path):
     from blockdraft.data.features import DiskFeatures, extract
 
     extract(tiny_target("llama"), tiny_rows(10), tmp_path / "one", shard_rows=3, progress=False)
-    mp.spawn(extract_worker, args=(2, free_port(), tmp_path / "two"), nprocs=2, join=True)
+    spawn_ranks(extract_worker, 2, (2, free_port(), tmp_path / "two"), join=True)
     a, b = DiskFeatures(tmp_path / "one"), DiskFeatures(tmp_path / "two")
     idx = torch.arange(10)
     x, y = a(idx), b(idx)
@@ -340,6 +339,6 @@ def differing_worker(rank, world, port, out):
 
 
 def test_ranks_that_built_different_drafters_are_stopped_before_training(tmp_path):
-    mp.spawn(differing_worker, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    spawn_ranks(differing_worker, 2, (2, free_port(), tmp_path), join=True)
     for r in range(2):
         assert "different initial drafters" in (tmp_path / f"r{r}.txt").read_text()

@@ -9,8 +9,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, gloo_rank
+from conftest import free_port, gloo_rank, spawn_ranks
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -64,7 +63,7 @@ def forward_worker(rank, world, port, target_dir, out):
 def sharded_forward(target_dir, tmp_path_factory):
     """What two ranks' forward_worker computed and held (one spawn for the tests that read it)."""
     out = tmp_path_factory.mktemp("sharded-forward")
-    mp.spawn(forward_worker, args=(2, free_port(), target_dir, out), nprocs=2, join=True)
+    spawn_ranks(forward_worker, 2, (2, free_port(), target_dir, out), join=True)
     return out
 
 
@@ -120,7 +119,7 @@ def test_training_with_a_sharded_target_is_training_with_the_whole_one(target_di
     runs = {}
     for name, extra in (("whole", []), ("sharded", ["--target-fsdp"])):
         out = tmp_path / name
-        mp.spawn(train_worker, args=(2, free_port(), base + extra + ["--out", str(out)]), nprocs=2, join=True)
+        spawn_ranks(train_worker, 2, (2, free_port(), base + extra + ["--out", str(out)]), join=True)
         runs[name] = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in runs["sharded"]] == pytest.approx([m[key] for m in runs["whole"]], rel=1e-5), key
@@ -155,7 +154,7 @@ def test_ranks_whose_targets_differ_all_stop_before_the_broadcast(tmp_path):
     buffer (a hang or garbage): every rank raises the same ValueError naming it, none waits."""
     import time
 
-    ctx = mp.spawn(differing_worker, args=(2, free_port(), tmp_path), nprocs=2, join=False)
+    ctx = spawn_ranks(differing_worker, 2, (2, free_port(), tmp_path), join=False)
     deadline = time.monotonic() + 180
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
