@@ -195,12 +195,14 @@ def cmd_bench(args) -> int:
 
 def cmd_extract(args) -> int:
     from .data.pipeline import DataOptions
+    from .engines.vllm.options import EngineOptions
     from .options import from_args
     from .target import TargetOptions
-    from .train.run import ExtractOptions, run_extract
+    from .train.extract import ExtractOptions, run_extract
 
     _threads(args)
-    out = run_extract(from_args(TargetOptions, args), from_args(DataOptions, args), from_args(ExtractOptions, args))
+    out = run_extract(from_args(TargetOptions, args), from_args(DataOptions, args), from_args(ExtractOptions, args),
+                      from_args(EngineOptions, args))
     print(f"feature cache written to {out}")
     return 0
 
@@ -251,13 +253,14 @@ def _target_args(p, *, features: bool = False) -> None:
 def _train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """`train`'s flags, generated from RunConfig's parts (their fields hold the defaults and help)."""
     from .data.pipeline import DataOptions
+    from .engines.vllm.options import EngineOptions
     from .options import add_options
     from .train.build import DrafterOptions
     from .train.options import TrainConfig
 
     p = p or argparse.ArgumentParser(prog="blockdraft train", add_help=False)
     _target_args(p, features=True)
-    for cls in (DataOptions, DrafterOptions, TrainConfig):
+    for cls in (DataOptions, DrafterOptions, TrainConfig, EngineOptions):
         add_options(p, cls)
     p.add_argument("--config", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
                    help="replay a run's train_config.json; flags given beside it override it (default: none)")
@@ -308,14 +311,16 @@ def _add_regenerate(sub) -> None:
 
 def _add_extract(sub) -> None:
     from .data.pipeline import DataOptions
+    from .engines.vllm.options import EngineOptions
     from .options import add_options
-    from .train.run import ExtractOptions
+    from .train.extract import ENGINE_FLAGS, ExtractOptions
 
     x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)",
                        formatter_class=FORMATTER)
     _target_args(x, features=True)
     add_options(x, DataOptions, only=("data", "max_length", "skip_bad_lines"))
     add_options(x, ExtractOptions)
+    add_options(x, EngineOptions, only=ENGINE_FLAGS)
     x.set_defaults(fn=cmd_extract)
 
 
@@ -465,13 +470,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from safetensors import SafetensorError
 
+    from .engines.vllm.job import EngineFailed
+
     try:
         rc = int(args.fn(args) or 0)
         from .train.distributed import leave
 
         leave()  # after a clean finish only: a rank that failed must not wait for the others here
         return rc
-    except (ValueError, OSError, SafetensorError) as e:  # a user's mistake or the machine's: one line, exit 2
+    except (ValueError, OSError, SafetensorError, EngineFailed) as e:  # a user's mistake, the machine's, an
+        # engine's: one line (an engine's names vLLM's own reason and its log), exit 2
         if args.debug:
             raise
         print(f"blockdraft {args.cmd}: error: {one_line(e)}", file=sys.stderr)

@@ -1,8 +1,8 @@
-"""`extract --engine vllm` without vLLM: the ids blockdraft asks the engine for, the documents it
-sends, and the cache it writes from files laid out as vLLM's hidden-states connector writes them
-(`hidden_states` [T, k, Ht] in ascending aux-id order, `token_ids` [T]). The stand-in engine here
-runs transformers' own model on each document alone; the vLLM engine itself is judged in the
-reference suite (reference/test_vllm_extract.py)."""
+"""Features from vLLM, on the readers' side, without vLLM: the ids blockdraft asks the engine for, the
+documents it sends, the engine's arguments, and the target's outputs put together from files laid out
+as vLLM's hidden-states connector writes them (`hidden_states` [T, k, Ht] in ascending aux-id order,
+`token_ids` [T]). The stand-in here runs transformers' own model on each document alone; the vLLM engine
+itself is judged in the reference suite (reference/test_vllm_extract.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from blockdraft.data.features import DiskFeatures, extract
-from blockdraft.engines.vllm.capture import EngineOutputs, capture_ids, engine_kwargs, segment_name, segments
-from blockdraft.ownership import claim
+from blockdraft.engines.vllm.capture import StateReader, capture_ids, check_can_capture, segment_name, segments
+from blockdraft.engines.vllm.feed import engine_kwargs
 from blockdraft.target import final_norm_of
 from conftest import tiny_rows, tiny_target
 
@@ -40,15 +40,19 @@ def test_documents_are_the_spans_where_positions_restart():
 
 def test_the_engine_runs_with_no_prefix_cache_and_blockdrafts_ids():
     kw = engine_kwargs({"target": "/m", "dtype": "float32", "tmp_dir": "/t", "aux_ids": [2, 9, 30],
-                        "max_model_len": 520})
+                        "max_model_len": 520, "kv_bytes": 2**28})
     assert kw["enable_prefix_caching"] is False  # a cached prefix would be skipped and its states never written
     spec = kw["speculative_config"]
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 9, 30]
-    assert kw["kv_transfer_config"]["kv_connector_module_path"] == "blockdraft.engines.vllm.connector"
-    cuda = engine_kwargs({"target": "/m", "dtype": "bfloat16", "tmp_dir": "/t", "aux_ids": [2], "max_model_len": 9,
-                          "connector": "ExampleHiddenStatesConnector"})
-    assert "kv_connector_module_path" not in cuda["kv_transfer_config"]  # vLLM's own connector on CUDA
+    conn = kw["kv_transfer_config"]  # blockdraft's connector on a CPU and on CUDA alike
+    assert conn["kv_connector_module_path"] == "blockdraft.engines.vllm.connector"
+    assert conn["kv_connector"] == "BlockdraftHiddenStatesConnector"
+    # a CPU engine asks for its KV space in bytes; a GPU one for a share of each GPU
+    assert kw["kv_cache_memory_bytes"] == 2**28 and "gpu_memory_utilization" not in kw
+    gpu = engine_kwargs({"target": "/m", "dtype": "bfloat16", "tmp_dir": "/t", "aux_ids": [2], "max_model_len": 9,
+                         "memory": 0.8, "quantization": "fp8"})
+    assert gpu["gpu_memory_utilization"] == 0.8 and "kv_cache_memory_bytes" not in gpu and gpu["quantization"] == "fp8"
 
 
 def engine_files(target, rows, directory, ids):
@@ -76,11 +80,12 @@ def test_a_cache_from_engine_files_equals_the_transformers_cache(tmp_path, arch)
     rows = tiny_rows(5)
     extract(t, rows, tmp_path / "hf", shard_rows=2, progress=False)
     ids = capture_ids(t.layer_ids, t.num_layers)
-    with claim(tmp_path / "eng", "extract"):  # what `extract --engine vllm` holds while the engine writes
-        engine_files(t, rows, tmp_path / "eng" / "engine-states", ids)
-    outputs = EngineOutputs(t, rows, tmp_path / "eng" / "engine-states", final_norm_of(t.model))
-    assert outputs.missing(torch.arange(5)) == []
-    extract(t, rows, tmp_path / "eng", shard_rows=2, progress=False, outputs=outputs, identity={"engine": "vllm"})
+    d = tmp_path / "engine-states"
+    engine_files(t, rows, d, ids)
+    reader = StateReader(t, rows, final_norm_of(t.model), 4)
+    extract(t, rows, tmp_path / "eng", shard_rows=2, progress=False, identity={"engine": "vllm"},
+            outputs=lambda idx: reader.assemble(idx, lambda seg: d / f"{segment_name(seg)}.safetensors"),
+            info={"engine_dtype": "float32", "quantization": None})
     a, b = DiskFeatures(tmp_path / "hf"), DiskFeatures(tmp_path / "eng")
     x, y = a(torch.arange(5)), b(torch.arange(5))
     torch.testing.assert_close(y.features, x.features, rtol=1e-5, atol=1e-5)
@@ -90,8 +95,8 @@ def test_a_cache_from_engine_files_equals_the_transformers_cache(tmp_path, arch)
         for s, e in ((0, 20), (20, 40)):  # each document run alone
             torch.testing.assert_close(t.head(y.final_hidden[:1, s:e]), t.model(rows["input_ids"][:1, s:e]).logits,
                                        rtol=1e-4, atol=1e-4)
-    assert b.manifest["engine"] == "vllm" and "engine" not in {k for k, v in a.manifest.items() if v == "vllm"}
-    assert not any((tmp_path / "eng" / "engine-states").glob("*.safetensors"))  # consumed shard by shard
+    assert b.manifest["engine"] == "vllm" and b.manifest["engine_dtype"] == "float32"
+    assert "engine_dtype" not in a.manifest
 
 
 def test_engine_files_for_other_tokens_are_refused(tmp_path):
@@ -101,18 +106,19 @@ def test_engine_files_for_other_tokens_are_refused(tmp_path):
     engine_files(t, rows, d, capture_ids(t.layer_ids, t.num_layers))
     other = dict(rows, input_ids=rows["input_ids"].roll(1, dims=1))
     with pytest.raises(ValueError, match="holds other tokens"):
-        EngineOutputs(t, other, d, final_norm_of(t.model))(torch.tensor([0]))
+        StateReader(t, other, final_norm_of(t.model), 4).assemble(
+            torch.tensor([0]), lambda seg: d / f"{segment_name(seg)}.safetensors")
 
 
 def test_a_target_vllm_cannot_capture_gets_one_line_naming_the_other_paths():
     from types import SimpleNamespace
 
-    from blockdraft.train.run import check_vllm_can_capture
+    def target(arch):
+        return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(architectures=[arch])))
 
-    glm = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(architectures=["Glm4MoeForCausalLM"])))
     with pytest.raises(ValueError) as e:
-        check_vllm_can_capture(glm)
+        check_can_capture(target("BloomForCausalLM"))  # no `self.model` decoder for the plugin to rewrite
     msg = str(e.value)
-    assert "\n" not in msg and "Glm4MoeForCausalLM" in msg and "--engine transformers" in msg and "--target-fsdp" in msg
-    check_vllm_can_capture(SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(
-        architectures=["LlamaForCausalLM"]))))
+    assert "\n" not in msg and "BloomForCausalLM" in msg and "--engine transformers" in msg and "--target-fsdp" in msg
+    check_can_capture(target("LlamaForCausalLM"))  # vLLM's own class
+    check_can_capture(target("Glm4MoeForCausalLM"))  # through blockdraft's vLLM plugin

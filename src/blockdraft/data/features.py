@@ -33,6 +33,7 @@ MANIFEST = "manifest.json"
 ENGINE_STATES = "engine-states"  # an engine's captured states, waiting to become shards (extract --engine vllm)
 ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
 OWNER = "extract"  # the command whose marker a cache directory carries (ownership)
+INFO = ("engine_dtype", "quantization")  # how an engine cache was made: recorded, not part of its identity
 
 
 @dataclass
@@ -142,13 +143,14 @@ def auto_shard_rows(target, L: int, dtype: torch.dtype, budget: int = 2**30) -> 
 
 def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16, dtype: torch.dtype | None = None,
             rank: int = 0, world: int = 1, progress: bool = True, batch_tokens: int = 16384,
-            outputs=None, identity: dict | None = None) -> Path:
+            outputs=None, identity: dict | None = None, info: dict | None = None) -> Path:
     """Write shard files shard-{k}.safetensors for the shards k with k % world == rank.
 
     The target runs `batch_tokens` tokens (whole rows) at a time; `dtype` (default: the target's
     own, bf16 on CUDA) is what the shards store. `outputs` (rows -> StoredOutputs) gives a shard's
-    outputs instead (an engine's captured states: `engines.vllm.capture.EngineOutputs`; its
-    `done(rows)` is called once the shard is written); `identity` adds manifest entries."""
+    outputs instead (an engine's states, read through its spool: `engines.vllm.capture.RowsAhead`);
+    `identity` adds manifest entries a cache to complete must match, `info` entries that only say how
+    it was made (the engine's dtype and quantization; kept from the manifest when not given)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -166,7 +168,8 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     mpath = out / MANIFEST
     _check_same_cache(out, mpath, ident)
     n_shards = (R + shard_rows - 1) // shard_rows
-    manifest = dict(ident, shards=[f"shard-{k:05d}.safetensors" for k in range(n_shards)])
+    kept = {k: v for k, v in json.loads(mpath.read_text()).items() if k in INFO} if mpath.exists() else {}
+    manifest = dict(ident, **{**kept, **(info or {})}, shards=[f"shard-{k:05d}.safetensors" for k in range(n_shards)])
     todo = [min(R, (k + 1) * shard_rows) - k * shard_rows for k in range(n_shards)
             if not (out / manifest["shards"][k]).exists()]  # every rank's: the ranks share the disk
     check_free_space(out, sum(shard_bytes(rows, n, len(target.layer_ids) * target.hidden_size, target.hidden_size,
@@ -190,8 +193,6 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
         tmp = temp_path(path)
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
-        if hasattr(outputs, "done"):
-            outputs.done(idx)
     return out
 
 

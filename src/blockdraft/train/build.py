@@ -294,9 +294,11 @@ def build_drafter(opts: DrafterOptions, target, train_rows: dict, device: str):
         drafter = DFlashDrafter(DrafterConfig.for_target(target, draft_vocab_size=vocab, **opts.layout()))
     if getattr(target, "head_only_loaded", False):
         if opts.context_init == "top-feature":
-            raise ValueError("--context-init top-feature needs the target's layers; a feature cache loads none")
+            raise ValueError("--context-init top-feature needs the target's layers; a feature cache or an engine "
+                             "run (--engine vllm) loads none")
         if opts.init_from_target or opts.final_norm_init == "target":
-            print("init: training from a feature cache loads no target layers; the drafter starts from scratch")
+            print("init: training from a feature cache or an engine (--engine vllm) loads no target layers; the "
+                  "drafter starts from scratch")
     else:
         _init_from_target(drafter, target, opts)
     if vocab:

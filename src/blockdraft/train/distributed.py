@@ -31,21 +31,25 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def init_from_env(device: str, timeout_min: float | None = None) -> tuple[int, int, str]:
+def init_from_env(device: str, timeout_min: float | None = None, gpu_offset: int = 0) -> tuple[int, int, str]:
     """Join the process group torchrun describes (also a group of one: torchrun on one GPU); returns
     (rank, world, this rank's device). Without torchrun's environment no group is made.
 
     nccl gets the rank's device (`device_id`: the group is bound to it, barriers use it) and
-    both backends a `timeout` long enough for the longest work one rank does alone."""
+    both backends a `timeout` long enough for the longest work one rank does alone. `gpu_offset`: the
+    node's GPUs below it are not the ranks' (an engine's, `train --engine vllm`): local rank k takes
+    GPU offset + k."""
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if not (size > 1 or launched) or grouped():
         r, w = world()
+        if gpu_offset and device == "cuda":  # one process beside the engine: the first GPU after its
+            device = f"cuda:{gpu_offset}"
         return r, w, device
     backend = "nccl" if device.startswith("cuda") else "gloo"
     kw = {}
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = gpu_offset + int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
         kw["device_id"] = torch.device(device)

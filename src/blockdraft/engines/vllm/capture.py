@@ -1,39 +1,32 @@
-"""Target features from vLLM (`blockdraft extract --engine vllm`).
+"""Target features from vLLM, on the readers' side: what `extract --engine vllm` and
+`train --engine vllm` ask the engine replicas for through the spool (`spool.py`, `feed.py`) and how
+they turn its files into the target's outputs training reads.
 
-vLLM runs the target with its own kernels and parallelism (tensor, pipeline; data parallel as
-independent engine replicas) under its `extract_hidden_states` speculative method, which stores
-the states entering chosen layers of every prompt token; a hidden-states connector writes them
-to one safetensors file per request (`hidden_states` [T, k, Ht], `token_ids` [T]). blockdraft
-asks for:
+vLLM's `extract_hidden_states` method stores the states entering chosen layers of every prompt token;
+blockdraft asks for
 
-* the ids `hidden_states_index(L)` of its feature layers L (clause 1: vLLM's aux id k is the
-  input of layer k, transformers' `hidden_states[k]`, which is the output of layer k - 1), and
-* id n (n decoder layers): the last layer's output *before* the final norm, to which the parent
+* the ids `hidden_states_index(L)` of its feature layers L (clause 1: vLLM's aux id k is the input of
+  layer k, transformers' `hidden_states[k]`, which is the output of layer k - 1), and
+* id n (n decoder layers): the last layer's output *before* the final norm, to which the reader
   applies the target's own final-norm module (transformers', loaded from the checkpoint: never a
   re-implemented norm, never twice) for the final state that the labels come from (clause 3).
 
 A packed row holds several documents (positions restart at 0 for each, and for the padding);
-transformers keeps attention inside each, so each is its own vLLM request, and the row is put
-back together from them. Each request's file is renamed to its segment's name once written, so a
-run that stops is resumed from the segments still missing.
-
-    python -m blockdraft.engines.vllm.capture JOB.json   (run by `capture`, in its own process)
+transformers keeps attention inside each, so each is its own vLLM request, and the row is put back
+together from them. Items are read in the order the trainer (or extract) reads rows, and each item's
+files are deleted once read.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
+from collections import deque
 
 import torch
 
-from ...data.features import ENGINE_STATES as STATES  # the segment files' folder inside the cache directory
 from ...target import hidden_states_index
+from .launch import Engines
+from .spool import Request, Spool, item_key, state_bytes
 
 
 def capture_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -60,108 +53,40 @@ def segment_name(seg: tuple[int, int, int]) -> str:
     return f"r{seg[0]:07d}-{seg[1]:05d}-{seg[2]:05d}"
 
 
-def engine_kwargs(job: dict) -> dict:
-    """vLLM's `LLM(...)` arguments for a capture job (also what the tests and the README name)."""
-    connector = {"kv_connector": job.get("connector", "HostHiddenStatesConnector"), "kv_role": "kv_producer",
-                 "kv_connector_extra_config": {"shared_storage_path": job["tmp_dir"]}}
-    if connector["kv_connector"] == "HostHiddenStatesConnector":
-        connector["kv_connector_module_path"] = "blockdraft.engines.vllm.connector"
-    return dict(model=job["target"], dtype=job["dtype"], gpu_memory_utilization=job.get("memory", 0.9),
-                max_model_len=job["max_model_len"], seed=0, enable_prefix_caching=False,  # a cached prefix
-                tensor_parallel_size=job.get("tensor_parallel_size", 1),  # would be skipped, its states unwritten
-                pipeline_parallel_size=job.get("pipeline_parallel_size", 1),
-                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids":
-                                                                         job["aux_ids"]}}},
-                kv_transfer_config=connector)
+def check_can_capture(target) -> None:
+    """A one-line error where neither the installed vLLM's class for the target nor blockdraft's plugin
+    gives its layer states."""
+    from ...serving.base import architectures
+    from .consumer import ENGINE
+
+    archs = architectures(target)
+    ok, source = ENGINE.captures(archs)
+    if not ok:
+        raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3 and "
+                         f"blockdraft's vLLM plugin cannot add it, by {source}); use --engine transformers (extract: "
+                         "one rank per shard set under torchrun, or --target-device-map; train: --target-fsdp)")
 
 
-def _wait_written(path: str) -> None:
-    """vLLM's connector writes on a thread and holds a lock file until the file is complete."""
-    import fcntl
+class StateReader:
+    """Rows' target outputs put together from the engine's files: features of the chosen layers in
+    config order, the final state from the target's own final norm, and the argmax of its own head."""
 
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as fh:
-            fcntl.flock(fh, fcntl.LOCK_SH)
-        os.remove(lock)
-
-
-def serve_capture(job: dict) -> dict:
-    """Run in the engine's process: every segment of the job gets its file, a chunk at a time."""
-    from vllm import LLM, SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(job))
-    t1 = time.perf_counter()
-    out_dir, todo = Path(job["out_dir"]), job["segments"]
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    chunk, tokens = int(job.get("chunk", 256)), 0
-    for i in range(0, len(todo), chunk):
-        part = todo[i:i + chunk]
-        outs = llm.generate([{"prompt_token_ids": ids} for _, ids in part], params, use_tqdm=False)
-        for (name, ids), o in zip(part, outs):
-            path = (o.kv_transfer_params or {}).get("hidden_states_path")
-            if path is None:
-                raise RuntimeError("vLLM returned no hidden-states file: is the connector configured?")
-            _wait_written(path)
-            os.replace(path, out_dir / f"{name}.safetensors")
-            tokens += len(ids)
-        print(f"blockdraft capture: {min(i + chunk, len(todo))}/{len(todo)} segments", flush=True)
-    return {"load_s": t1 - t0, "capture_s": time.perf_counter() - t1, "tokens": tokens}
-
-
-def capture(job: dict, *, replicas: int = 1, gpus_per_replica: int = 0, timeout: float | None = None) -> list[dict]:
-    """Write the job's segment files with `replicas` engine processes, each on its own
-    `gpus_per_replica` GPUs (data parallel over disjoint segments); returns each one's figures."""
-    out_dir = Path(job["out_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for k in range(replicas):
-        part = job["segments"][k::replicas]
-        if not part:
-            continue
-        tmp = out_dir / f".engine-{k}"
-        shutil.rmtree(tmp, ignore_errors=True)  # a killed engine's files (extract holds the cache's lock)
-        tmp.mkdir()
-        sub = dict(job, segments=part, tmp_dir=str(tmp))
-        path = out_dir / f".job-{k}.json"
-        path.write_text(json.dumps(sub))
-        env = dict(os.environ)
-        if gpus_per_replica:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * gpus_per_replica + g) for g in range(gpus_per_replica))
-        procs.append((path, subprocess.Popen([sys.executable, "-m", "blockdraft.engines.vllm.capture", str(path)],
-                                             env=env)))
-    results, failed = [], []
-    for path, p in procs:
-        rc = p.wait(timeout=timeout)
-        if rc != 0:
-            failed.append(f"{path.name}: exit {rc}")
-        else:
-            results.append(json.loads(path.with_suffix(".out.json").read_text()))
-    if failed:
-        raise RuntimeError("vLLM capture failed (" + "; ".join(failed) + "); its log is above. Rerun the same "
-                           "command: the segments already written are kept")
-    return results
-
-
-class EngineOutputs:
-    """A shard's target outputs, put together from the engine's segment files: features of the
-    chosen layers, the final state from the target's own final norm, and the argmax."""
-
-    def __init__(self, target, rows: dict, states_dir: str | os.PathLike, final_norm):
-        self.target, self.rows, self.dir, self.norm = target, rows, Path(states_dir), final_norm
+    def __init__(self, target, rows: dict, final_norm, itemsize: int):
+        self.target, self.rows, self.norm = target, rows, final_norm
         self.ids = capture_ids(target.layer_ids, target.num_layers)
         self.pick = [self.ids.index(hidden_states_index(L)) for L in target.layer_ids]  # config order
+        self.itemsize = itemsize
 
-    def path(self, seg) -> Path:
-        return self.dir / f"{segment_name(seg)}.safetensors"
+    def documents(self, idx) -> list[tuple[str, list[int]]]:
+        return [(segment_name(s), self.rows["input_ids"][s[0], s[1]:s[2]].tolist()) for s in segments(self.rows, idx)]
 
-    def missing(self, idx) -> list[tuple[int, int, int]]:
-        return [s for s in segments(self.rows, idx) if not self.path(s).exists()]
+    def nbytes(self, idx) -> int:
+        """What the item's files take in the spool."""
+        return sum(state_bytes(e - s, len(self.ids), self.target.hidden_size, self.itemsize)
+                   for _, s, e in segments(self.rows, idx))
 
     @torch.no_grad()
-    def __call__(self, idx):
+    def assemble(self, idx, path_of) -> "StoredOutputs":  # noqa: F821 (data.features)
         from safetensors.torch import load_file
 
         from ...data.features import StoredOutputs, full_argmax
@@ -173,26 +98,159 @@ class EngineOutputs:
         where = {int(r): i for i, r in enumerate(idx)}
         for seg in segments(self.rows, idx):
             r, s, e = seg
-            got = load_file(str(self.path(seg)))
+            path = path_of(seg)
+            got = load_file(str(path))
             want = self.rows["input_ids"][r, s:e]
             if not torch.equal(got["token_ids"].to(want.dtype), want):
-                raise ValueError(f"{self.path(seg)} holds other tokens than row {r} [{s}:{e}]; delete "
-                                 f"{self.dir} and rerun")
+                raise ValueError(f"{path} holds other tokens than row {r} [{s}:{e}]: the engine answered another "
+                                 "request (delete the spool and rerun)")
             hs = got["hidden_states"]  # [T, k, Ht] in `self.ids` order
             if hs.shape[1:] != (len(self.ids), H):
-                raise ValueError(f"{self.path(seg)} has states {tuple(hs.shape)}, expected [T, {len(self.ids)}, {H}]")
+                raise ValueError(f"{path} has states {tuple(hs.shape)}, expected [T, {len(self.ids)}, {H}]: the "
+                                 "engine captured other layers than these")
             feats[where[r], s:e] = hs[:, self.pick].reshape(e - s, -1).to(dt)
             last[where[r], s:e] = hs[:, -1].to(dt)
         final = torch.cat([self.norm(last[i:i + 1].to(dev)).cpu() for i in range(n)])
         return StoredOutputs(feats, final, full_argmax(self.target, final.to(dev)).cpu())
 
-    def done(self, idx) -> None:
-        """Delete the segment files a written shard no longer needs."""
-        for seg in segments(self.rows, idx):
-            self.path(seg).unlink(missing_ok=True)
+
+class SpoolReader:
+    """One reader (a rank, or extract) of a spool: asks for items by key and reads them back."""
+
+    def __init__(self, reader: StateReader, spool: Spool, engines: Engines, client: str, budget: int,
+                 poll_s: float = 0.5):
+        self.reader, self.spool, self.engines, self.client = reader, spool, engines, client
+        self.budget, self.poll_s = budget, poll_s
+        spool.forget_client(client)  # what an earlier run of this reader asked for and never read
+
+    def ask(self, key: str, idx: torch.Tensor) -> Request:
+        nbytes = self.reader.nbytes(idx)
+        if nbytes > self.budget:
+            raise ValueError(f"{len(idx)} rows of a micro-batch need {nbytes / 2**30:.3f} GiB of states at once, more "
+                             f"than the spool's {self.budget / 2**30:.3f} GiB: raise --spool-gib, or lower --batch-tokens")
+        return self.spool.ask(self.client, key, self.reader.documents(idx), nbytes)
+
+    def read(self, req: Request, idx: torch.Tensor):
+        """Wait for the item (checking the engines as it waits), put its outputs together, free it."""
+        t0, checked, nap = time.monotonic(), 0.0, 0.001
+        while not self.spool.done(req):
+            if time.monotonic() - checked > self.poll_s:
+                self.engines.check()
+                checked = time.monotonic()
+            time.sleep(nap)
+            nap = min(0.05, nap * 2)
+        self.waited = getattr(self, "waited", 0.0) + time.monotonic() - t0
+        d = self.spool.item_dir(req)
+        out = self.reader.assemble(idx, lambda seg: d / f"{segment_name(seg)}.safetensors")
+        self.spool.release(req)
+        return out
+
+    def get(self, key: str, idx: torch.Tensor):
+        return self.read(self.ask(key, idx), idx)
+
+    def close(self) -> None:
+        self.spool.forget_client(self.client)
 
 
-if __name__ == "__main__":
-    job_path = Path(sys.argv[1])
-    result = serve_capture(json.loads(job_path.read_text()))
-    job_path.with_suffix(".out.json").write_text(json.dumps(result))
+class OnlineFeatures:
+    """The trainer's stored-output source for `train --engine vllm`: each micro-batch's outputs computed
+    by the engines as the trainer reaches it (every epoch anew), asked for `lookahead` micro-batches
+    ahead (the engines stop at the spool's budget)."""
+
+    prefetch = True  # the trainer reads one micro-batch ahead on a thread (data.prefetch)
+
+    def __init__(self, spool_reader: SpoolReader, lookahead: int = 8):
+        self.r, self.lookahead = spool_reader, max(1, lookahead)
+        self.step, self._one_offs = 0, 0
+        self._order, self._asked = None, deque()
+
+    def at(self, step: int) -> None:
+        """The step the trainer is at: what it reads outside the schedule (the feature scale, held-out
+        rows) is asked for before that step's micro-batches."""
+        self.step = int(step)
+
+    def begin(self, order) -> None:
+        """The trainer's reading order from here on: an iterator of (step, slot, row indices), slot the
+        micro-batch's place among all ranks' micro-batches of its step."""
+        self._order, self._asked = iter(order), deque()
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self._order is not None and len(self._asked) < self.lookahead:
+            try:
+                step, slot, idx = next(self._order)
+            except StopIteration:
+                self._order = None
+                break
+            self._asked.append((idx, self.r.ask(item_key(step, 1, slot), idx)))
+
+    def __call__(self, idx: torch.Tensor):
+        if not self._asked:
+            self._top_up()
+        if not self._asked:
+            raise RuntimeError("the trainer read past the end of its own schedule")
+        want, req = self._asked.popleft()
+        if not torch.equal(want, idx):
+            raise RuntimeError(f"the trainer read rows {idx.tolist()} where its schedule says {want.tolist()}")
+        out = self.r.read(req, idx)
+        self._top_up()
+        return out
+
+    def compute(self, idx: torch.Tensor):
+        """Rows read outside the schedule (the feature scale; held-out batches): asked for now, a row an
+        item (so a spool that holds one micro-batch holds them)."""
+        from ...data.features import StoredOutputs
+
+        parts = []
+        for row in idx.tolist():
+            self._one_offs += 1
+            parts.append(self.r.get(item_key(self.step, 0, self._one_offs), torch.tensor([row])))
+        return StoredOutputs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("features", "final_hidden", "top")))
+
+    def close(self) -> None:
+        self.r.close()
+
+
+class HeldOut:
+    """Held-out rows of a `train --engine vllm` run, computed by the engines at each evaluation (asked
+    for as each batch is read, before the next step's micro-batches)."""
+
+    prefetch = False
+
+    def __init__(self, features: OnlineFeatures):
+        self.f = features
+
+    def at(self, step: int) -> None:
+        self.f.at(step)
+
+    def __call__(self, idx: torch.Tensor):
+        return self.f.compute(idx)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class RowsAhead:
+    """extract's source of outputs: rows read in order, asked for up to `lookahead` rows ahead."""
+
+    def __init__(self, spool_reader: SpoolReader, order: list[int], lookahead: int = 16):
+        self.r, self.lookahead = spool_reader, max(1, lookahead)
+        self._order, self._asked = deque(order), deque()
+
+    def _top_up(self) -> None:
+        while self._order and len(self._asked) < self.lookahead:
+            row = self._order.popleft()
+            idx = torch.tensor([row])
+            self._asked.append((row, self.r.ask(item_key(0, 1, row), idx)))
+
+    def __call__(self, idx: torch.Tensor):
+        from ...data.features import StoredOutputs
+
+        parts = []
+        for row in idx.tolist():
+            self._top_up()
+            want, req = self._asked.popleft()
+            if want != row:
+                raise RuntimeError(f"extract read row {row} where its order says {want}")
+            parts.append(self.r.read(req, torch.tensor([row])))
+        return StoredOutputs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("features", "final_hidden", "top")))

@@ -1,0 +1,168 @@
+"""One engine replica feeding a spool (`spool.py`): vLLM runs the target under its `extract_hidden_states`
+method, and every document a client asks for gets its states file, in the order the clients read.
+
+    python -m blockdraft.engines.vllm.feed JOB.json      (started by `launch.start_engines`)
+
+JOB: the engine's arguments (`engine_kwargs`), the spool, its byte budget, where to write the status,
+and how much to capture at once. The status file (JSON, rewritten atomically) says `state` (starting,
+ready, stopped, failed), the engine's pid, a heartbeat, the dtype and quantization vLLM serves, the
+tokens and items captured and the peak of the spool's claimed bytes. The process stops when a client
+writes the spool's stop file, or when the process that started it is gone (a killed trainer leaves no
+engine holding its GPUs).
+
+Runs in vLLM's own environment: it imports the spool protocol and vLLM, nothing of blockdraft's
+training code.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .spool import Spool
+
+CONNECTOR_MODULE = "blockdraft.engines.vllm.connector"
+
+
+def engine_kwargs(job: dict) -> dict:
+    """vLLM's `LLM(...)` arguments for a capture engine (also what the tests and the README name).
+
+    Prefix caching is off: a cached prefix's states would not be written. On a CPU the KV space is
+    given in bytes (`kv_bytes`), so vLLM does not ask for a share of the node's memory up front."""
+    connector = {"kv_connector": "BlockdraftHiddenStatesConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                 "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": job["tmp_dir"]}}
+    kw = dict(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+              enable_prefix_caching=False, tensor_parallel_size=job.get("tensor_parallel_size", 1),
+              pipeline_parallel_size=job.get("pipeline_parallel_size", 1),
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids":
+                                                                       job["aux_ids"]}}},
+              kv_transfer_config=connector)
+    if job.get("kv_bytes"):
+        kw["kv_cache_memory_bytes"] = int(job["kv_bytes"])
+    else:
+        kw["gpu_memory_utilization"] = job.get("memory", 0.9)
+    if job.get("quantization"):
+        kw["quantization"] = job["quantization"]
+    if job.get("enforce_eager"):
+        kw["enforce_eager"] = True
+    return kw
+
+
+def wait_written(path: str) -> None:
+    """vLLM's connector writes on a thread and holds a lock file until the file is complete."""
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as fh:
+            fcntl.flock(fh, fcntl.LOCK_SH)
+        os.remove(lock)
+
+
+class VllmCapturer:
+    """vLLM under `extract_hidden_states`: one states file per document."""
+
+    def __init__(self, job: dict):
+        from vllm import LLM, SamplingParams
+
+        self.llm = LLM(**engine_kwargs(job))
+        self.params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def describe(self) -> dict:
+        mc = self.llm.llm_engine.model_config
+        return {"dtype": str(mc.dtype).replace("torch.", ""), "quantization": getattr(mc, "quantization", None)}
+
+    def capture(self, documents: list[list[int]]) -> list[str]:
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in documents], self.params, use_tqdm=False)
+        paths = []
+        for o in outs:
+            path = (o.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise RuntimeError("vLLM returned no hidden-states file: is the connector configured?")
+            wait_written(path)
+            paths.append(path)
+        return paths
+
+
+STAND_IN = "BLOCKDRAFT_ENGINE_STAND_IN"  # `module:name` of a capturer that stands in for vLLM (tests, benchmarks)
+
+
+def make_capturer(job: dict):
+    """vLLM's; or, where the environment names one in `STAND_IN`, that callable, called with the job
+    (the CPU tests run the spool, the trainer and extract against transformers this way)."""
+    name = os.environ.get(STAND_IN)
+    if not name:
+        return VllmCapturer(job)
+    import importlib
+
+    module, attr = name.split(":")
+    return getattr(importlib.import_module(module), attr)(job)
+
+
+class Status:
+    def __init__(self, path: str | os.PathLike):
+        self.path, self.fields = Path(path), {"pid": os.getpid(), "started": time.time()}
+        self._last = 0.0
+
+    def write(self, **fields) -> None:
+        self.fields.update(fields, beat=time.time())
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(self.fields))
+        os.replace(tmp, self.path)
+        self._last = time.monotonic()
+
+    def beat(self, **fields) -> None:
+        if fields or time.monotonic() - self._last > 1.0:
+            self.write(**fields)
+
+
+def serve(job: dict) -> None:
+    spool = Spool(job["spool"]).make()
+    status = Status(job["status"])
+    status.write(state="starting")
+    parent = os.getppid()
+    Path(job["tmp_dir"]).mkdir(parents=True, exist_ok=True)
+    capturer = make_capturer(job)
+    status.write(state="ready", **capturer.describe(), tokens=0, items=0, peak_bytes=0)
+    budget, docs_max, tokens_max = int(job["budget"]), int(job.get("max_documents", 256)), int(job.get("max_tokens", 65536))
+    tokens = items = peak = 0
+    idle = 0.01
+    while not spool.stopping():
+        if os.getppid() != parent:
+            status.write(state="stopped", reason="the process that started it is gone")
+            return
+        batch = spool.claim(budget, docs_max, tokens_max)
+        peak = max(peak, spool.stored_bytes())
+        if not batch:
+            status.beat(peak_bytes=peak) if peak > status.fields.get("peak_bytes", 0) else status.beat()
+            time.sleep(idle)
+            idle = min(0.2, idle * 1.5)
+            continue
+        idle = 0.01
+        flat = [(req, name, ids) for req, documents in batch for name, ids in documents]
+        paths = capturer.capture([ids for _, _, ids in flat])
+        for req, _ in batch:
+            spool.deliver(req, {name: p for (r, name, _), p in zip(flat, paths) if r is req})
+        tokens += sum(len(ids) for _, _, ids in flat)
+        items += len(batch)
+        status.beat(tokens=tokens, items=items, peak_bytes=peak)
+    status.write(state="stopped", reason="asked to stop", tokens=tokens, items=items, peak_bytes=peak)
+
+
+def main(path: str) -> int:
+    job = json.loads(Path(path).read_text())
+    try:
+        serve(job)
+    except BaseException as e:  # the status says why, in one line; the traceback goes to the log
+        traceback.print_exc()
+        Status(job["status"]).write(state="failed", error=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

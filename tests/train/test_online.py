@@ -1,0 +1,126 @@
+"""`train --engine vllm` without vLLM: the engine processes, the spool and the trainer's reading order
+run for real, with transformers standing in for vLLM inside the engine process (tests/engine_stub.py
+writes what vLLM's hidden-states connector writes). Online training must equal training from
+`extract --engine vllm`'s cache of the same data, step by step; the spool must stay within its budget
+on data whose states are many times larger; a failing engine must stop training with one line. vLLM
+itself is judged the same way in the reference suite (reference/test_vllm_online.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockdraft.data.pipeline import DataOptions
+from blockdraft.engines.vllm.feed import STAND_IN
+from blockdraft.engines.vllm.options import EngineOptions
+from blockdraft.target import TargetOptions
+from blockdraft.train.build import DrafterOptions
+from blockdraft.train.extract import ExtractOptions, run_extract
+from blockdraft.train.options import TrainConfig
+from blockdraft.train.run import RunConfig, run_training
+
+TESTS = Path(__file__).resolve().parents[1]
+L = 256
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setenv(STAND_IN, "engine_stub:TransformersCapturer")
+    monkeypatch.setenv("PYTHONPATH", f"{TESTS}")
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory, chat_data):
+    d = tmp_path_factory.mktemp("online-data")
+    lines = Path(chat_data).read_text().splitlines(keepends=True)
+    (d / "train.jsonl").write_text("".join(lines[:20]))
+    (d / "held.jsonl").write_text("".join(lines[20:]))
+    return d
+
+
+def config(target_dir, out, *, data: DataOptions, engine: EngineOptions | None = None, steps=4, kind="dflash",
+           rows_per_step=2, eval_every=2):
+    extra = {"dspark": dict(kind="dspark", markov_rank=8),
+             "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4)}.get(kind, {})
+    return RunConfig(target=TargetOptions(target=target_dir, threads=1, num_features=3),
+                     data=data, drafter=DrafterOptions(draft_layers=1, block_size=8, draft_vocab="512", **extra),
+                     train=TrainConfig(out=str(out), steps=steps, batch_tokens=rows_per_step * L, max_anchors=16,
+                                       eval_every=eval_every,
+                                       save_every=100, lr=3e-3, warmup=1, progress=False),
+                     engine=engine or EngineOptions())
+
+
+def losses(out: Path) -> list[tuple]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r.get("eval_loss")) for r in rows]
+
+
+def drafter_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "drafter" / "model.safetensors"))
+
+
+def test_online_training_equals_training_from_the_engine_cache(tmp_path, tiny_target_dir, split, stand_in):
+    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool"))
+    for name in ("train", "held"):  # what extract --engine vllm stores, through the same engine process
+        run_extract(TargetOptions(target=tiny_target_dir, num_features=3),
+                    DataOptions(data=str(split / f"{name}.jsonl"), max_length=L), ExtractOptions(out=str(tmp_path / name)),
+                    vllm)
+    offline = config(tiny_target_dir, tmp_path / "offline",
+                     data=DataOptions(features_cache=str(tmp_path / "train"), eval_features_cache=str(tmp_path / "held"),
+                                      max_length=L, max_rows=0))
+    online = config(tiny_target_dir, tmp_path / "online", engine=vllm,
+                    data=DataOptions(data=str(split / "train.jsonl"), eval_data=str(split / "held.jsonl"), max_length=L,
+                                     max_rows=0))
+    run_training(offline)
+    run_training(online)
+    a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert len(a) == 4 and a == b  # the same function computed: the same losses, to the bit, every step
+    wa, wb = drafter_weights(tmp_path / "offline"), drafter_weights(tmp_path / "online")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not (tmp_path / "spool").exists()  # removed after a clean finish
+
+
+def test_the_spool_stays_within_its_budget(tmp_path, tiny_target_dir, split, stand_in, monkeypatch):
+    """On data whose states are over 10x the bound, the engine waits: the spool's claimed bytes never pass
+    the budget by more than the one item a reader needs first."""
+    import blockdraft.engines.vllm.launch as launch
+    from blockdraft.engines.vllm.spool import state_bytes
+
+    row = state_bytes(L, 4, 32, 4)  # one row's states at most: 3 feature layers + the last, hidden 32, fp32
+    budget = 2 * row
+    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool"), spool_gib=budget / 2**30)
+    cfg = config(tiny_target_dir, tmp_path / "run", engine=vllm, steps=24, rows_per_step=1, eval_every=1000,
+                 data=DataOptions(data=str(split / "train.jsonl"), max_length=L, max_rows=0, eval_fraction=0.1))
+    seen = []
+    real_stop = launch.Engines.stop
+
+    def stop(self, *a, **kw):  # the replica's own record, read before the spool goes
+        seen.extend(r.read() for r in self.replicas)
+        return real_stop(self, *a, **kw)
+
+    monkeypatch.setattr(launch.Engines, "stop", stop)
+    run_training(cfg)
+    (status,) = seen
+    captured = status["tokens"] * (4 * 32 * 4 + 8)  # every state the run read, each epoch's anew
+    assert captured >= 10 * budget
+    assert 0 < status["peak_bytes"] <= budget + row
+
+
+def test_a_failing_engine_stops_training_with_one_line(tmp_path, tiny_target_dir, split, stand_in, monkeypatch,
+                                                       capsys):
+    from blockdraft.cli import main
+
+    monkeypatch.setenv("STUB_FAIL_AFTER", "3")
+    rc = main(["train", "--engine", "vllm", "--target", tiny_target_dir, "--data", str(split / "train.jsonl"),
+               "--max-length", str(L), "--steps", "6", "--batch-tokens", str(2 * L), "--draft-layers", "1",
+               "--draft-vocab", "512", "--spool", str(tmp_path / "spool"), "--out", str(tmp_path / "run"),
+               "--no-progress", "--threads", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "the stand-in engine was told to fail here" in err[0] and str(tmp_path / "spool") in err[0]
+    assert (tmp_path / "spool" / "engine-0.log").exists()  # kept: the error names it
