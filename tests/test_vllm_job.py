@@ -87,3 +87,20 @@ def test_the_cause_is_the_first_line_that_says_why_else_the_last():
     assert engine.failure_cause(DEAD_WORKER).endswith("died unexpectedly (exit code: -9), shutting down executor.")
     assert engine.failure_cause("a\nb\n\n") == "b"
     assert engine.failure_cause("") == "no output"
+
+
+def test_an_in_process_start_that_fails_is_one_line_naming_vllms_reason(tmp_path, capfd):
+    """regenerate and prompts start vLLM in their own process: its output goes to a log while it starts,
+    and a failed start names the cause found there, not the traceback's last line."""
+    import os
+
+    log = tmp_path / "start.log"
+    with pytest.raises(engine.EngineFailed) as e:
+        with engine.logged_start(log):
+            os.write(2, DEAD_WORKER.encode())  # what vLLM's processes print, on the real file descriptors
+            raise RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    msg = str(e.value)
+    assert "\n" not in msg and "died unexpectedly (exit code: -9)" in msg and str(log) in msg
+    assert "died unexpectedly" in log.read_text()
+    os.write(2, b"after\n")  # the process's own output is its own again
+    assert "after" in capfd.readouterr().err and "after" not in log.read_text()

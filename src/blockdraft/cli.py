@@ -288,7 +288,9 @@ def _add_regenerate(sub) -> None:
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
     r.add_argument("--tensor-parallel-size", type=Checked(int, min=1), default=1, help="--engine vllm: GPUs per engine")
     r.add_argument("--engine-memory", type=Checked(float, above=0, max=1), default=None,
-                   help="--engine vllm: fraction of each GPU vLLM may take (default 0.9; on a CPU 0.2 of its KV space)")
+                   help="--engine vllm: on a GPU, the share of each GPU vLLM may take (default 0.9); on a CPU, the "
+                        "share of the node's memory vLLM reserves up front, which must be free when it starts "
+                        "(default: instead the KV space the target needs, checked against the memory available)")
     r.add_argument("--bundle", default=None, metavar="FILE", type=TEXT,
                    help="then write every answer, ordered by prompt hash, to FILE (gzip if .gz, the same bytes on "
                         "every rebuild): the form of the bundled data")

@@ -44,7 +44,7 @@ class ExtractOptions:
 
 # EngineOptions' flags extract takes (--dtype is the engine's precision; its GPUs are all the engine's)
 ENGINE_FLAGS = ("engine", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "engine_memory",
-                "quantization", "engine_python", "spool", "spool_gib")
+                "quantization", "engine_eager", "engine_python", "spool", "spool_gib")
 
 
 def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions,

@@ -17,11 +17,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+from .options import cpu_kv_bytes
 
 
 class EngineFailed(RuntimeError):
-    """A vLLM engine that did not start or stopped: its first line names vLLM's own reason and the log."""
+    """A vLLM engine that did not start or stopped: one line naming vLLM's own reason and the log (a
+    job's failure also keeps the log's tail in `tail`)."""
+
+    tail = ""
 
 
 def counters(llm) -> dict:
@@ -49,20 +55,59 @@ def require_vllm():
     return vllm
 
 
+@contextmanager
+def logged_start(log_path: str | os.PathLike):
+    """While vLLM starts in this process, its output (and that of the processes it spawns, for their
+    whole life) goes to `log_path`; a start that fails is one line naming vLLM's own reason and the log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    restored = False
+
+    def restore():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+    try:
+        yield
+    except Exception as e:
+        restore()
+        restored = True
+        cause = failure_cause(Path(log_path).read_text(errors="replace"))
+        raise EngineFailed(f"vLLM did not start: {cause} (its log: {log_path})") from e
+    finally:
+        if not restored:
+            restore()
+
+
 class Engine:
     """One vLLM engine for a target directory, generating from token-id prompts."""
 
     def __init__(self, target_dir: str, *, memory: float | None = None, max_model_len: int = 2048, seed: int = 0,
-                 tensor_parallel_size: int = 1, dtype: str | None = None):
-        """On a CPU: fp32 and 0.2 of the memory for KV (what the bundled answers were made with); on
-        CUDA: the checkpoint's dtype and 0.9 of each GPU, over `tensor_parallel_size` GPUs."""
+                 tensor_parallel_size: int = 1, dtype: str | None = None, log: str | None = None):
+        """On a CPU: fp32, and the KV space the target needs for a few sequences (`options.cpu_kv_bytes`,
+        checked against the memory available) unless `memory` names vLLM's share of the node; on CUDA:
+        the checkpoint's dtype and 0.9 of each GPU, over `tensor_parallel_size` GPUs. vLLM's start goes to
+        `log` (default: a temporary file), which a failed start's one-line error names."""
         vllm = require_vllm()
         import torch
 
         gpu = torch.cuda.is_available()
-        self.llm = vllm.LLM(model=str(target_dir), dtype=dtype or ("auto" if gpu else "float32"),
-                            gpu_memory_utilization=memory or (0.9 if gpu else 0.2), max_model_len=max_model_len,
-                            seed=seed, tensor_parallel_size=tensor_parallel_size)
+        size = {"gpu_memory_utilization": memory or 0.9} if gpu or memory else {
+            "kv_cache_memory_bytes": cpu_kv_bytes(target_dir, max_model_len, 0, 4)}
+        log = log or tempfile.mkstemp(prefix="blockdraft-vllm-", suffix=".log")[1]
+        print(f"vLLM: starting for {target_dir} (its log: {log})", file=sys.stderr, flush=True)
+        with logged_start(log):
+            self.llm = vllm.LLM(model=str(target_dir), dtype=dtype or ("auto" if gpu else "float32"),
+                                max_model_len=max_model_len, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                                **size)
         self._params = vllm.SamplingParams
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -139,7 +184,9 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, 
                   file=sys.stderr, flush=True)
             env = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1"}
             continue
-        raise EngineFailed(f"vLLM exited with {proc.returncode}: {cause} (whole log: {log_path})\n{text[-6000:]}")
+        err = EngineFailed(f"vLLM exited with {proc.returncode}: {cause} (whole log: {log_path})")
+        err.tail = text[-6000:]
+        raise err
 
 
 def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 96) -> dict:

@@ -48,6 +48,8 @@ class EngineOptions:
     engine_gpus: int = opt(0, "train --engine vllm: the node's first N GPUs run the engine replicas (tensor x "
                               "pipeline x data-parallel size of them), the rest the training ranks (torchrun "
                               "--nproc-per-node = GPUs - N); 0: the replicas' own count", min=0)
+    engine_eager: bool = opt(False, "--engine vllm: run the target without vLLM's compilation (a start minutes "
+                                    "shorter, capture somewhat slower; what vLLM's --enforce-eager does)")
     engine_python: str | None = opt(None, "--engine vllm: the interpreter of the environment vLLM is installed in "
                                           "(default: this one); blockdraft reaches it through PYTHONPATH")
     spool: str | None = opt(None, "--engine vllm: where captured states wait to be read, on each node (default: "
