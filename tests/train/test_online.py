@@ -124,3 +124,45 @@ def test_a_failing_engine_stops_training_with_one_line(tmp_path, tiny_target_dir
     assert rc == 2 and len(err) == 1, err
     assert "the stand-in engine was told to fail here" in err[0] and str(tmp_path / "spool") in err[0]
     assert (tmp_path / "spool" / "engine-0.log").exists()  # kept: the error names it
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_leaves_no_engine_and_resumes_exactly(tmp_path, tiny_target_dir, split, stand_in):
+    """kill -9 of the trainer: its engine notices and exits (no process keeps the GPUs); `--resume` starts
+    a new one on the same spool and ends with the losses of a run never stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    flags = ["-m", "blockdraft", "train", "--engine", "vllm", "--target", tiny_target_dir, "--data",
+             str(split / "train.jsonl"), "--eval-data", str(split / "held.jsonl"), "--max-length", str(L),
+             "--steps", "8", "--batch-tokens", str(L), "--draft-layers", "1", "--draft-vocab", "512",
+             "--save-every", "2", "--eval-every", "4", "--max-rows", "0", "--no-progress", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    whole = tmp_path / "whole"
+    subprocess.run([sys.executable, *flags, "--spool", str(tmp_path / "s1"), "--out", str(whole)], env=env,
+                   check=True, capture_output=True)
+    out, spool = tmp_path / "killed", tmp_path / "s2"
+    run = [sys.executable, *flags, "--spool", str(spool), "--out", str(out)]
+    proc = subprocess.Popen(run, env={**env, "STUB_DELAY_S": "0.3"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None
+        time.sleep(0.2)
+    engine = int(json.loads((spool / "engine-0.json").read_text())["pid"])
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):  # the engine watches the process that started it
+        try:
+            os.kill(engine, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the engine {engine} outlived the trainer that was killed")
+    assert json.loads((spool / "engine-0.json").read_text())["state"] == "stopped"
+    subprocess.run([*run, "--resume"], env=env, check=True, capture_output=True)
+    assert losses(out) == losses(whole)

@@ -47,6 +47,28 @@ def eval_batches(rows: dict, rows_per_batch: int, block_size: int) -> list[torch
     return [idx for idx in out if usable_rows(rows, idx, block_size)]
 
 
+def eval_order(rows: dict, rows_per_batch: int, block_size: int, *, collective_forward: bool = False
+               ) -> list[tuple[int, torch.Tensor, bool]]:
+    """This rank's held-out forwards in the order `evaluate` runs them: (batch number, rows, counted).
+    Every rank takes batches rank, rank + W, ...; with `collective_forward` (a sharded drafter or target,
+    whose forward is itself a collective) every rank runs the same number of forwards, the last ones
+    repeated and not counted."""
+    rank, W = world()
+    batches = eval_batches(rows, rows_per_batch, block_size)
+    mine = list(range(rank, len(batches), W))
+    n_runs = math.ceil(len(batches) / W) if collective_forward else len(mine)
+    out = []
+    for i in range(n_runs):
+        if not mine:
+            if not batches:
+                break
+            out.append((0, batches[0], False))  # this rank has no batch: one for the collective's sake
+        else:
+            k = mine[i] if i < len(mine) else mine[-1]
+            out.append((k, batches[k], i < len(mine)))
+    return out
+
+
 @torch.no_grad()
 def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int, features=None, *,
              collective_forward: bool = False) -> dict:
@@ -57,23 +79,12 @@ def evaluate(target, drafter, rows: dict, cfg: TrainConfig, rows_per_batch: int,
     and one collective sums the results: the same figures as one process, none of the ranks
     working alone. `collective_forward` (a sharded drafter or target, whose forward is itself a
     collective): every rank runs the same number of forwards, the last ones repeated and not counted."""
-    rank, W = world()
     B = drafter.block_size
-    batches = eval_batches(rows, rows_per_batch, B)
-    mine = list(range(rank, len(batches), W))
-    n_runs = math.ceil(len(batches) / W) if collective_forward else len(mine)
     drafter.eval()
     dev = target.device
     acc = torch.zeros(4 + 2 * B, dtype=torch.float64, device=dev)  # blocks, sum of lengths, loss sum, slots, hits [B], counts [B]
     with autocast_for(dev):
-        for i in range(n_runs):
-            if not mine:
-                if not batches:
-                    break
-                k, count = 0, False  # this rank has no batch: run one only for the collective's sake
-            else:
-                k, count = (mine[i], True) if i < len(mine) else (mine[-1], False)
-            idx = batches[k]
+        for k, idx, count in eval_order(rows, rows_per_batch, B, collective_forward=collective_forward):
             loss, m = compute_loss(target, drafter, rows_batch(rows, idx), max_anchors=cfg.eval_anchors, gamma=cfg.gamma,
                                    loss=cfg.loss, generator=torch.Generator().manual_seed(12345 + k),
                                    backend=cfg.backend, cached=features(idx) if features else None,

@@ -13,6 +13,7 @@ empty spool and new engines: their states are recomputed, not kept.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,9 @@ class Online:
         for f in (self.train_features, self.eval_features):
             if f is not None:
                 f.close()
-        self.engines.stop(remove=ok)
+        for k, st in enumerate(self.engines.stop(remove=ok)):
+            figures = {key: st.get(key) for key in ("tokens", "items", "busy_s", "peak_bytes")}
+            print(f"engine: replica {k} captured: {json.dumps(figures)}")
 
 
 LOOKAHEAD = 32  # micro-batches a rank asks for ahead of the one it trains
@@ -67,7 +70,7 @@ def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
 
 def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Online:
     """Start this node's engines (or join the ones running on its spool) and make this rank's readers."""
-    from ..engines.vllm.capture import HeldOut, OnlineFeatures, SpoolReader, StateReader, capture_ids, check_can_capture
+    from ..engines.vllm.capture import OnlineFeatures, SpoolReader, StateReader, capture_ids, check_can_capture
     from ..engines.vllm.launch import attach_engines, budget_of, open_engines
     from ..engines.vllm.spool import Spool
     from ..serving.base import architectures
@@ -106,7 +109,7 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
 
     # requests are small (token ids); the engines hold the spool to its budget however far ahead they go
     train_f = OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD)
-    eval_f = HeldOut(OnlineFeatures(reader(eval_rows, "e"))) if eval_rows is not None else None
+    eval_f = OnlineFeatures(reader(eval_rows, "e"), lookahead=LOOKAHEAD) if eval_rows is not None else None
     return Online(engines, train_f, eval_f)
 
 

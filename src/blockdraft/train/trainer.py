@@ -214,6 +214,16 @@ class Trainer:
             for micro in range(self.cfg.grad_accum):
                 yield step, micro * self.world + self.rank, self.batch_indices(step, micro)
 
+    def _begin_eval(self, step: int) -> None:
+        """A source that computes held-out outputs on demand (train.online) is told this evaluation's
+        reading order, so it can ask for all of it at once."""
+        if hasattr(self.eval_features, "begin"):
+            from .evaluate import eval_order
+
+            order = eval_order(self.eval_rows, self.rows_per_batch, self.drafter.block_size,
+                               collective_forward=self.collective_forward)
+            self.eval_features.begin(((step, j, idx) for j, (_, idx, _) in enumerate(order)), phase=0)
+
     def _at(self, step: int) -> None:
         """Tell sources that compute on demand (train.online) which step reads what comes next."""
         for source in (self.train_features, self.eval_features):
@@ -371,7 +381,7 @@ class Trainer:
             # every rank evaluates its share of the held-out rows; rank 0 logs
             if self.eval_rows is not None and self.eval_cadence.due(step, self.total):
                 bar.set_description("train (evaluating)")
-                self._at(step)
+                self._begin_eval(step)
                 last_eval = self.eval_cadence.run(lambda: evaluate(
                     self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch, self.eval_features,
                     collective_forward=self.collective_forward))

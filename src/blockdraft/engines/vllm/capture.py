@@ -155,24 +155,28 @@ class SpoolReader:
 class OnlineFeatures:
     """The trainer's stored-output source for `train --engine vllm`: each micro-batch's outputs computed
     by the engines as the trainer reaches it (every epoch anew), asked for `lookahead` micro-batches
-    ahead (the engines stop at the spool's budget)."""
+    ahead in the trainer's own order (the engines stop at the spool's budget). Held-out rows are the
+    same kind of source, given each evaluation's order as it starts."""
 
     prefetch = True  # the trainer reads one micro-batch ahead on a thread (data.prefetch)
 
     def __init__(self, spool_reader: SpoolReader, lookahead: int = 8):
         self.r, self.lookahead = spool_reader, max(1, lookahead)
         self.step, self._one_offs = 0, 0
-        self._order, self._asked = None, deque()
+        self._order, self._asked, self._phase = None, deque(), 1
 
     def at(self, step: int) -> None:
-        """The step the trainer is at: what it reads outside the schedule (the feature scale, held-out
-        rows) is asked for before that step's micro-batches."""
+        """The step the trainer is at: what it reads outside the schedule (the feature scale) is asked
+        for before that step's micro-batches."""
         self.step = int(step)
 
-    def begin(self, order) -> None:
-        """The trainer's reading order from here on: an iterator of (step, slot, row indices), slot the
-        micro-batch's place among all ranks' micro-batches of its step."""
-        self._order, self._asked = iter(order), deque()
+    def begin(self, order, phase: int = 1) -> None:
+        """The reading order from here on: an iterator of (step, slot, row indices), slot the item's place
+        among every rank's items of its step and phase (1: a step's micro-batches; 0: what is read before
+        them, such as an evaluation's batches). Anything asked and not read before is dropped."""
+        for _, req in self._asked:
+            self.r.spool.release(req)
+        self._order, self._asked, self._phase = iter(order), deque(), phase
         self._top_up()
 
     def _top_up(self) -> None:
@@ -182,7 +186,7 @@ class OnlineFeatures:
             except StopIteration:
                 self._order = None
                 break
-            self._asked.append((idx, self.r.ask(item_key(step, 1, slot), idx)))
+            self._asked.append((idx, self.r.ask(item_key(step, self._phase, slot), idx)))
 
     def __call__(self, idx: torch.Tensor):
         if not self._asked:
@@ -197,37 +201,19 @@ class OnlineFeatures:
         return out
 
     def compute(self, idx: torch.Tensor):
-        """Rows read outside the schedule (the feature scale; held-out batches): asked for now, a row an
-        item (so a spool that holds one micro-batch holds them)."""
+        """Rows read outside the schedule (the feature scale): a row an item (so a spool that holds one
+        micro-batch holds them), all asked for before the first is read."""
         from ...data.features import StoredOutputs
 
-        parts = []
+        asked = []
         for row in idx.tolist():
             self._one_offs += 1
-            parts.append(self.r.get(item_key(self.step, 0, self._one_offs), torch.tensor([row])))
+            asked.append((row, self.r.ask(item_key(self.step, 0, self._one_offs), torch.tensor([row]))))
+        parts = [self.r.read(req, torch.tensor([row])) for row, req in asked]
         return StoredOutputs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("features", "final_hidden", "top")))
 
     def close(self) -> None:
         self.r.close()
-
-
-class HeldOut:
-    """Held-out rows of a `train --engine vllm` run, computed by the engines at each evaluation (asked
-    for as each batch is read, before the next step's micro-batches)."""
-
-    prefetch = False
-
-    def __init__(self, features: OnlineFeatures):
-        self.f = features
-
-    def at(self, step: int) -> None:
-        self.f.at(step)
-
-    def __call__(self, idx: torch.Tensor):
-        return self.f.compute(idx)
-
-    def close(self) -> None:
-        self.f.close()
 
 
 class RowsAhead:

@@ -146,16 +146,34 @@ STARTUP_FAILED = "Engine core initialization failed"
 CAUSES = ("died unexpectedly", "Illegal instruction", "Segmentation fault", "Killed", "out of memory", "Error:")
 
 
-def failure_cause(log: str) -> str:
+def stated_cause(log: str) -> str | None:
     """The line of a vLLM log that says why it stopped: the first naming a dead worker's exit code, else
-    a signal, else an error (CAUSES in that order); else its last line. The tail of a failed start is
-    the parent's traceback, not the cause."""
+    a signal, else an error (CAUSES in that order); None when no line says."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for cause in CAUSES:
         found = next((ln for ln in lines if cause in ln), None)
         if found:
             return found
-    return lines[-1] if lines else "no output"
+    return None
+
+
+def failure_cause(log: str) -> str:
+    """`stated_cause`, else the log's last line. The tail of a failed start is the parent's traceback,
+    not the cause."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    return stated_cause(log) or (lines[-1] if lines else "no output")
+
+
+def exit_reason(rc: int) -> str:
+    """A process's return code in words: a signal by its name (a kill from outside says no more)."""
+    import signal
+
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name} (exit {rc})"
+        except ValueError:
+            pass
+    return f"exit {rc}"
 
 
 def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, retries: int = 1) -> dict:

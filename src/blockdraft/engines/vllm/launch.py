@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import blockdraft
 
 from .feed import STAND_IN
-from .job import EngineFailed, failure_cause
+from .job import EngineFailed, exit_reason, stated_cause
 from .spool import IDENTITY, STOP, Spool
 
 OWNER = "spool"  # the ownership marker of a spool directory blockdraft made
@@ -107,22 +108,25 @@ class Replica:
         st = self.read()
         rc = self.proc.poll() if self.proc is not None else None
         if st.get("state") == "failed":
-            return st.get("error") or self.cause()
+            return st.get("error") or self.cause() or "it failed (its log says no more)"
         if rc is not None:
-            return f"exit {rc}: {self.cause()}"
+            said = self.cause()
+            return exit_reason(rc) + (f": {said}" if said else "")
         if self.proc is None and st.get("pid") and not _alive(int(st["pid"])):
-            return f"its process {st['pid']} is gone: {self.cause()}"
+            said = self.cause()
+            return f"its process {st['pid']} is gone" + (f": {said}" if said else "")
         if st.get("state") == "stopped":
             return f"it stopped ({st.get('reason', 'asked to stop')})"
         if st.get("state") == "ready" and time.time() - float(st.get("beat", time.time())) > stall_s:
             return f"no heartbeat for {stall_s:.0f} s (hung?)"
         return None
 
-    def cause(self) -> str:
+    def cause(self) -> str | None:
+        """What the replica's log says of why it stopped (None when it says nothing: a kill from outside)."""
         try:
-            return failure_cause(self.log.read_text(errors="replace"))
+            return stated_cause(self.log.read_text(errors="replace"))
         except FileNotFoundError:
-            return "no log"
+            return None
 
 
 def _alive(pid: int) -> bool:
@@ -168,12 +172,13 @@ class Engines:
     def figures(self) -> list[dict]:
         return [r.read() for r in self.replicas]
 
-    def stop(self, timeout: float = 120.0, remove: bool = False) -> None:
+    def stop(self, timeout: float = 120.0, remove: bool = False) -> list[dict]:
         """Ask the replicas started here to stop, and make sure they do; `remove`: then the spool goes
-        too (after a clean finish; a failure keeps the logs its error names)."""
+        too (after a clean finish; a failure keeps the logs its error names). Returns their last
+        statuses (what each captured, how long it was busy, the spool's peak)."""
         mine = [r for r in self.replicas if r.proc is not None]
         if not mine:
-            return  # another process's engines: theirs to stop
+            return []  # another process's engines: theirs to stop
         (self.spool.root / STOP).write_text("")
         deadline = time.time() + timeout
         for r in mine:
@@ -185,8 +190,15 @@ class Engines:
                     r.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     r.proc.kill()
+                    r.proc.wait()
+            try:  # what vLLM started and left behind (a replica killed before it could shut them down)
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        last = [r.read() for r in mine]
         if remove:
             shutil.rmtree(self.spool.root, ignore_errors=True)
+        return last
 
 
 def engine_env(spool_root: Path, devices: str | None, plugin: dict) -> dict:
@@ -219,9 +231,11 @@ def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: i
         path.write_text(json.dumps(sub))
         devices = visible_devices(first_gpu + k * gpus_per_replica, gpus_per_replica) if gpus_per_replica else None
         with open(log, "w") as fh:
+            # its own session: a signal to the terminal's group does not reach it, and stop() can end it
+            # with every process vLLM started, even after the replica itself was killed
             proc = subprocess.Popen([python, "-m", "blockdraft.engines.vllm.feed", str(path)],
                                     env=engine_env(spool.root, devices, plugin or {}), stdout=fh,
-                                    stderr=subprocess.STDOUT, start_new_session=False)
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         out.replicas.append(Replica(k, status, log, proc))
     return out
 

@@ -1,0 +1,196 @@
+"""`train --engine vllm` measured on this machine, and the memory plan of a node split between the engine
+replicas and the training ranks for the targets the issue names. One run, one JSON:
+
+    python benchmarks/online.py --engine-python .venv-ref-vllm/bin/python --json benchmarks/results/online.json
+
+* speed: the same SmolLM2 training (rows, order, steps) from `extract --engine vllm`'s cache and online,
+  back to back: steps per second (the engine's start not counted), the share of each step the trainer
+  waits for its features, and the engine's own tokens per second while capturing;
+* spool: an online run whose states would be at least 10x `--spool-gib`: the engine's record of the
+  claimed bytes, and the bytes on disk sampled every 20 ms, against the bound;
+* plan: for Qwen3-8B (bf16), GLM-4.6 (FP8) and Kimi-K2 (INT4 routed experts) on 8 x H100 80 GB and on
+  8 x RTX PRO 6000 96 GB: the smallest engine (tensor x pipeline GPUs) that fits beside the KV and
+  states it needs, and the training ranks on the rest (blockdraft.plan at the README's flags). These
+  are figures from the plan, not measurements: no GPU ran them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = "1,8,14,21,27"
+
+
+def sh(argv: list[str], log: Path, env: dict | None = None) -> float:
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        rc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env or os.environ.copy()).returncode
+    if rc != 0:
+        sys.exit(f"{' '.join(argv[:6])} failed ({rc}); see {log}")
+    return time.perf_counter() - t0
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_figures(rows: list[dict]) -> dict:
+    steady = rows[1:] or rows  # the first step waits for the first states and warms up
+    step_s = sum(r["step_s"] for r in steady)
+    return {"steps_per_s": round(len(steady) / step_s, 3), "feature_wait_share": round(
+        sum(r.get("feature_wait_s", 0.0) for r in steady) / step_s, 4), "steps": len(rows)}
+
+
+class SpoolWatch(threading.Thread):
+    """The bytes under a spool's ready/ folder, sampled until stopped."""
+
+    def __init__(self, root: Path, every: float = 0.02):
+        super().__init__(daemon=True)
+        self.root, self.every, self.peak, self.samples, self.done = root, every, 0, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            total = 0
+            for dirpath, _, names in os.walk(self.root / "ready"):
+                for n in names:
+                    try:
+                        total += os.stat(os.path.join(dirpath, n)).st_size
+                    except FileNotFoundError:
+                        pass
+            self.peak, self.samples = max(self.peak, total), self.samples + 1
+            time.sleep(self.every)
+
+
+def engine_status(log: Path) -> dict:
+    """The replica's last status line, which `train` prints at the end (its JSON file goes with the spool)."""
+    for line in reversed(log.read_text().splitlines()):
+        if line.startswith("engine: replica 0 captured"):
+            return json.loads(line.split(":", 2)[2])
+    return {}
+
+
+def speed_and_spool(args, tmp: Path) -> dict:
+    py, vpy = sys.executable, args.engine_python
+    with gzip.open(ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
+        lines = [next(fh) for _ in range(args.conversations + 8)]
+    (tmp / "train.jsonl").write_text("".join(lines[:args.conversations]))
+    (tmp / "held.jsonl").write_text("".join(lines[args.conversations:]))
+    common = ["--max-length", str(args.max_length), "--layer-ids", LAYERS, "--threads", str(args.threads)]
+    train = [*common, "--steps", str(args.steps), "--batch-tokens", str(args.max_length), "--max-rows", "0",
+             "--eval-every", "1000", "--no-progress"]
+    out: dict = {}
+    for name in ("train", "held"):  # the cache offline training reads, from the same engine code
+        out[f"extract_{name}_wall_s"] = round(sh([vpy, "-m", "blockdraft", "extract", "--engine", "vllm", "--data",
+                                                  str(tmp / f"{name}.jsonl"), *common, "--out", str(tmp / f"cache-{name}")],
+                                                 tmp / f"extract-{name}.log", env={**os.environ, "PYTHONPATH": str(ROOT / "src")}), 1)
+    sh([py, "-m", "blockdraft", "train", *train, "--features-cache", str(tmp / "cache-train"), "--eval-features-cache",
+        str(tmp / "cache-held"), "--out", str(tmp / "offline")], tmp / "offline.log")
+    spool = tmp / "spool"
+    online = [py, "-m", "blockdraft", "train", *train, "--engine", "vllm", "--engine-python", vpy, "--data",
+              str(tmp / "train.jsonl"), "--eval-data", str(tmp / "held.jsonl"), "--spool", str(spool)]
+    watch = SpoolWatch(spool)
+    watch.start()
+    sh([*online, "--spool-gib", str(args.spool_gib), "--out", str(tmp / "online")], tmp / "online.log")
+    watch.done.set()
+    watch.join()
+    off, on = metrics(tmp / "offline"), metrics(tmp / "online")
+    status = engine_status(tmp / "online.log")
+    row_bytes = args.max_length * (6 * 576 * 4 + 8)  # 5 feature layers and the last, hidden 576, fp32
+    states = status.get("tokens", 0) * (6 * 576 * 4 + 8)
+    out.update(offline=step_figures(off), online=step_figures(on),
+               same_losses=[r["loss"] for r in off] == [r["loss"] for r in on],
+               engine={"tokens": status.get("tokens"), "busy_s": status.get("busy_s"),
+                       "tokens_per_s": round(status["tokens"] / status["busy_s"], 1) if status.get("busy_s") else None},
+               spool={"bound_bytes": int(args.spool_gib * 2**30), "states_read_bytes": states,
+                      "states_over_bound": round(states / (args.spool_gib * 2**30), 1),
+                      "engine_peak_claimed_bytes": status.get("peak_bytes"), "peak_on_disk_bytes": watch.peak,
+                      "disk_samples": watch.samples, "one_row_bytes": row_bytes})
+    return out
+
+
+def plans(card_gib=(80, 96, 141), gpus: int = 8, max_length: int = 4096) -> list[dict]:
+    import transformers as tf
+
+    from blockdraft.engines.vllm.plan import GIB, smallest_engine
+    from blockdraft.plan import plan_run
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory_plan import run_config
+
+    targets = {
+        "Qwen3-8B (bf16)": (tf.Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                           num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                           head_dim=128, tie_word_embeddings=False), "bf16"),
+        "GLM-4.6 (FP8)": (tf.Glm4MoeConfig(vocab_size=151552, hidden_size=5120, intermediate_size=12288,
+                                           num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8,
+                                           head_dim=128, moe_intermediate_size=1536, n_routed_experts=160,
+                                           n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+                                           tie_word_embeddings=False), "fp8"),
+        "Kimi-K2 (INT4 experts)": (tf.DeepseekV3Config(vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+                                                       moe_intermediate_size=2048, num_hidden_layers=61,
+                                                       num_attention_heads=64, num_key_value_heads=64,
+                                                       n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
+                                                       first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
+                                                       qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                                       tie_word_embeddings=False), "int4-experts"),
+    }
+    flags = (f"--features-cache X --draft-layers 5 --max-rows 0 --max-length {max_length} --batch-tokens 16384 "
+             "--draft-vocab full --sliding-window 0 --fsdp --gradient-checkpointing")  # head-only, as online
+    out = []
+    for name, (cfg, scheme) in targets.items():
+        for card in card_gib:
+            for sequences in (32, 8):
+                eng = smallest_engine(cfg, scheme=scheme, card_bytes=card * GIB, gpus=gpus, max_length=max_length,
+                                      sequences=sequences)
+                if eng is not None or sequences == 8:
+                    break
+            row = {"target": name, "card_gb": card, "gpus": gpus, "sequences_in_flight": sequences,
+                   "engine": eng.gib() if eng else None, "source": "plan (estimate, no GPU ran it)"}
+            ranks = gpus - eng.tp * eng.pp if eng else 0
+            if eng is None:
+                row["verdict"] = f"the engine alone needs more than {gpus} x {card} GB"
+            elif ranks == 0:
+                row["verdict"] = "the engine takes the whole node: no GPU left for training"
+            else:
+                p = plan_run(cfg, run_config(flags), world=ranks, cuda=True, torchrun=True, device_bytes=card * GIB)
+                row.update(train_ranks=ranks, train_rank_gib=round(p.total / GIB, 1), train_fits=p.fits(card),
+                           verdict=f"engine on {eng.tp * eng.pp} GPUs (tp {eng.tp} x pp {eng.pp}), training on {ranks}"
+                                   f" (--engine-gpus {eng.tp * eng.pp}, torchrun --nproc-per-node {ranks})")
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-python", default=str(ROOT / ".venv-ref-vllm" / "bin" / "python"))
+    p.add_argument("--conversations", type=int, default=160)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--spool-gib", type=float, default=0.05)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--work", default=str(ROOT / "runs" / "online-bench"))
+    p.add_argument("--plan-only", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    res: dict = {"plan": plans()}
+    if not args.plan_only:
+        tmp = Path(args.work)
+        tmp.mkdir(parents=True, exist_ok=True)
+        res.update(speed_and_spool(args, tmp))
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

