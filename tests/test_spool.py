@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from blockdraft.engines.vllm.spool import CLAIMED, READY, REQUESTS, Request, Spool, item_key, state_bytes
+from blockdraft.engines.vllm.spool import CLAIMED, REQUESTS, Request, Spool, item_key, state_bytes
 
 
 def test_keys_sort_in_the_order_ranks_read():

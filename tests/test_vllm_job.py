@@ -104,3 +104,18 @@ def test_an_in_process_start_that_fails_is_one_line_naming_vllms_reason(tmp_path
     assert "died unexpectedly" in log.read_text()
     os.write(2, b"after\n")  # the process's own output is its own again
     assert "after" in capfd.readouterr().err and "after" not in log.read_text()
+
+
+def test_the_cause_is_an_error_vllm_logged_not_a_warnings_traceback():
+    log = ("(EngineCore) WARNING [base.py:380] ValueError: Tokenizer not available when `skip_tokenizer_init=True`\n"
+           "(Worker) ERROR [multiproc_executor.py:1063] WorkerProc hit an exception.\n"
+           "(Worker) ERROR [multiproc_executor.py:1063] AssertionError: CPU GDN attention requires BF16.\n"
+           "(EngineCore) ERROR [core.py:1512] RuntimeError: Worker failed with error 'CPU GDN attention requires BF16.'\n")
+    assert engine.stated_cause(log) == "AssertionError: CPU GDN attention requires BF16."
+    assert engine.stated_cause("INFO all is well\n") is None
+    bare = ("(Worker) ERROR [x.py:1]   File \"cpu_router.py\", line 239, in _compute_routing\n"
+            "(Worker) ERROR [x.py:1]     assert self.scoring_func == \"softmax\"\n"
+            "(Worker) ERROR [x.py:1] AssertionError\n"
+            "(EngineCore) ERROR [core.py:1] RuntimeError: Worker failed with error '', please check the stack trace\n")
+    assert engine.stated_cause(bare) == 'AssertionError (assert self.scoring_func == "softmax")'
+    assert engine.stated_cause("ValueError: prompt too long\n") == "ValueError: prompt too long"

@@ -174,3 +174,34 @@ def test_the_reader_says_which_classes_it_can_change_and_why_not(tmp_path):
 def test_forwards_of_another_shape_are_refused_with_the_reason(source, why):
     with pytest.raises(ValueError, match=why):
         rewrite_forward(source)
+
+
+def test_layers_that_take_their_input_as_the_residual_record_the_hidden_state_alone(tmp_path):
+    """Cohere's parallel blocks start with `residual = hidden_states` and return (stream, their input):
+    there the stream between layers is hidden_states alone, and h + r would count the input twice."""
+    body = textwrap.indent(textwrap.dedent(STANDARD), "    ")
+    for name, first in (("fused", "        if residual is None:\n            residual = hidden_states\n"),
+                        ("parallel", "        residual = hidden_states\n")):
+        write(tmp_path, name, f"class Block:\n    def forward(self, positions, hidden_states, residual):\n{first}"
+                              "        return hidden_states, residual\n"
+                              f"class Model:\n    def __init__(self, config):\n        self.layers = [Block()]\n{body}\n"
+                              "class LM:\n    def __init__(self, *, vllm_config, prefix=''):\n"
+                              "        self.model = Model(vllm_config)\n"
+                              "    def forward(self, *a):\n        return self.model(*a)\n")
+    assert Source(tmp_path).plan("fused", "LM").summed
+    assert not Source(tmp_path).plan("parallel", "LM").summed
+    fwd = compiled_with(STANDARD, summed=False)
+    toy, ids = Toy(), torch.tensor([2, 4])
+    toy.aux_hidden_state_layers = (2,)
+    out, (aux,) = fwd(toy, ids, None)
+    x, r = toy.embed_input_ids(ids) * toy.scale, None
+    for layer in toy.layers[:2]:  # the loop as written; what enters layer 2 is its hidden state alone
+        x, r = layer(hidden_states=x, residual=r)
+    torch.testing.assert_close(aux, x)
+    assert not torch.allclose(aux, x + r)
+
+
+def compiled_with(source: str, summed: bool):
+    ns = {"islice": islice, "get_pp_group": Pipeline, "IntermediateTensors": dict, "torch": torch}
+    exec(rewrite_forward(source, summed=summed), ns)
+    return ns["forward"]

@@ -231,11 +231,28 @@ def capture_check(target, engine) -> Check:
     ok, source = engine.captures(archs)
     has, lacks = engine.capture_rule
     if ok:
-        note = engine.capture_note(archs) if engine.capture_note is not None else ""
         return Check(engine.capture_check, PASS, f"{engine.name} can run {archs[0]} as a DFlash target ({has}, by "
-                                                 f"{source}){note}")
+                                                 f"{source})")
     return Check(engine.capture_check, WARN, f"{engine.name} cannot capture {archs[0]}'s hidden states ({lacks}, by "
                                              f"{source}): {engine.capture_refused}", engine.capture_fix)
+
+
+def check_engine_features(target) -> Check:
+    """Whether `train --engine vllm` and `extract --engine vllm` can capture this target's features
+    (vLLM's own class, or blockdraft's vLLM plugin), from the installed vLLM's source."""
+    from .engines.vllm.consumer import features_capture, through_plugin
+    from .serving.base import architectures
+
+    archs = architectures(target)
+    known, source = features_capture()
+    if not any(a in known for a in archs):
+        return Check("engine features (vLLM)", WARN, f"vLLM cannot hand out {archs[0]}'s layer states, nor can "
+                     f"blockdraft's vLLM plugin give them (by {source})", "train with transformers running the "
+                     "target (--target-fsdp across a node), or extract with it")
+    how = ("through blockdraft's vLLM plugin, which gives vLLM's own class the layer states in the engines "
+           "blockdraft starts" if through_plugin(archs) else "vLLM's own class hands them out")
+    return Check("engine features (vLLM)", PASS, f"train --engine vllm and extract --engine vllm capture {archs[0]} "
+                 f"({how}; by {source})")
 
 
 def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
@@ -423,6 +440,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
         _guard("mask token", check_mask_token, target, d, debug=debug),
         _guard("target family", check_family, target, debug=debug),
         *(_guard(e.capture_check, capture_check, target, e, debug=debug) for e in serving.capturing()),
+        _guard("engine features (vLLM)", check_engine_features, target, debug=debug),
         _guard("data", check_data, target, data, debug=debug),
         _guard("greedy identity", check_greedy, target, d, ids, debug=debug),
     ]

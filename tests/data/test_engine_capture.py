@@ -42,6 +42,7 @@ def test_the_engine_runs_with_no_prefix_cache_and_blockdrafts_ids():
     kw = engine_kwargs({"target": "/m", "dtype": "float32", "tmp_dir": "/t", "aux_ids": [2, 9, 30],
                         "max_model_len": 520, "kv_bytes": 2**28})
     assert kw["enable_prefix_caching"] is False  # a cached prefix would be skipped and its states never written
+    assert kw["skip_tokenizer_init"] is True  # token ids in: a target directory needs no tokenizer
     spec = kw["speculative_config"]
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 9, 30]

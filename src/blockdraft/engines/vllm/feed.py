@@ -32,11 +32,13 @@ CONNECTOR_MODULE = "blockdraft.engines.vllm.connector"
 def engine_kwargs(job: dict) -> dict:
     """vLLM's `LLM(...)` arguments for a capture engine (also what the tests and the README name).
 
-    Prefix caching is off: a cached prefix's states would not be written. On a CPU the KV space is
-    given in bytes (`kv_bytes`), so vLLM does not ask for a share of the node's memory up front."""
+    Prefix caching is off: a cached prefix's states would not be written; no tokenizer is loaded (the
+    requests are token ids). On a CPU the KV space is given in bytes (`kv_bytes`), so vLLM does not ask
+    for a share of the node's memory up front."""
     connector = {"kv_connector": "BlockdraftHiddenStatesConnector", "kv_connector_module_path": CONNECTOR_MODULE,
                  "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": job["tmp_dir"]}}
     kw = dict(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+              skip_tokenizer_init=True,  # requests are token ids: no tokenizer is loaded, none is needed
               enable_prefix_caching=False, tensor_parallel_size=job.get("tensor_parallel_size", 1),
               pipeline_parallel_size=job.get("pipeline_parallel_size", 1),
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,

@@ -4,7 +4,8 @@ or without a DFlash drafter, and vLLM's own speculative-decoding counters.
     python -m blockdraft.engines.vllm.job JOB.json OUT.json
 
 JOB: {"target": DIR, "drafter": DIR or null, "num_speculative_tokens": B - 1, "prompts": [[ids]],
-"max_tokens": n}. OUT: {"tokens": [[ids]], "drafts", "accepted", "accepted_per_pos", "load_s",
+"max_tokens": n, and optionally "dtype" (default float32) and "memory" (vLLM's share of each GPU, or of
+the node on a CPU; default on a CPU: the KV space the target needs)}. OUT: {"tokens": [[ids]], "drafts", "accepted", "accepted_per_pos", "load_s",
 "generate_s"}. The engine call is the one a user serves a drafter with:
 `LLM(target, speculative_config={"method": "dflash", "model": DIR, "num_speculative_tokens": B - 1})`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -129,9 +131,15 @@ def serve(job: dict) -> dict:
     spec = None
     if job.get("drafter"):
         spec = {"method": "dflash", "model": job["drafter"], "num_speculative_tokens": job["num_speculative_tokens"]}
+    import torch
+
+    if job.get("memory") or torch.cuda.is_available():
+        size = {"gpu_memory_utilization": job.get("memory") or 0.9}
+    else:  # a CPU: the KV space the target needs, not a share of the node (options.cpu_kv_bytes)
+        size = {"kv_cache_memory_bytes": cpu_kv_bytes(job["target"], 2048, 0, 4)}
     t0 = time.perf_counter()
-    llm = LLM(model=job["target"], dtype="float32", gpu_memory_utilization=job.get("memory", 0.2), max_model_len=2048,
-              seed=0, speculative_config=spec, disable_log_stats=False)
+    llm = LLM(model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=2048, seed=0,
+              speculative_config=spec, disable_log_stats=False, **size)
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
@@ -143,17 +151,30 @@ def serve(job: dict) -> dict:
 # vLLM's parent prints this when its engine process never became ready: the worker died while loading,
 # compiling or profiling (seen once in CI, at the first drafter start after a target-only start)
 STARTUP_FAILED = "Engine core initialization failed"
-CAUSES = ("died unexpectedly", "Illegal instruction", "Segmentation fault", "Killed", "out of memory", "Error:")
+CAUSES = ("died unexpectedly", "Illegal instruction", "Segmentation fault", "Killed", "out of memory")
+RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception)(: .+|$)")  # `SomeError: message`, the part of a line that says it
 
 
 def stated_cause(log: str) -> str | None:
     """The line of a vLLM log that says why it stopped: the first naming a dead worker's exit code, else
-    a signal, else an error (CAUSES in that order); None when no line says."""
+    a signal (CAUSES in that order), else the first error vLLM logged at its ERROR level (a warning's
+    traceback is not why it stopped), else the first error anywhere; None when no line says. An error
+    is given from its exception's name on (`AssertionError: CPU GDN attention requires BF16.`)."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for cause in CAUSES:
         found = next((ln for ln in lines if cause in ln), None)
         if found:
             return found
+    raised = [(i, ln, RAISED.search(ln)) for i, ln in enumerate(lines)]
+    for logged in (True, False):
+        found = next(((i, m.group(0)) for i, ln, m in raised if m and (" ERROR " in f" {ln} " or not logged)), None)
+        if found:
+            i, said = found
+            if ":" not in said:  # a bare `AssertionError`: the assert it failed is printed just above
+                code = next((ln.split("]", 1)[-1].strip() for ln in reversed(lines[max(0, i - 4):i])
+                             if "assert " in ln), None)
+                said += f" ({code})" if code else ""
+            return said
     return None
 
 

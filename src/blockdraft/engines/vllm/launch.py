@@ -107,8 +107,11 @@ class Replica:
         """Why this replica cannot serve, or None."""
         st = self.read()
         rc = self.proc.poll() if self.proc is not None else None
-        if st.get("state") == "failed":
-            return st.get("error") or self.cause() or "it failed (its log says no more)"
+        if st.get("state") == "failed":  # the exception it stopped on, and the log's cause where it says more
+            error, said = st.get("error"), self.cause()
+            if error and said and said not in error and error.split(":")[0] not in said:
+                return f"{said} (then {error.split(':')[0]})"  # the root cause first, then what reached the top
+            return error or said or "it failed (its log says no more)"
         if rc is not None:
             said = self.cause()
             return exit_reason(rc) + (f": {said}" if said else "")

@@ -50,11 +50,14 @@ AUX, INDEX = "_blockdraft_aux", "_blockdraft_i"
 @dataclass(frozen=True)
 class Plan:
     """What the plugin does for one wrapper class: build `inner` (defined in `inner_module`) with its
-    forward rewritten (`rewrite`), or only mark the wrapper (the inner model records states already)."""
+    forward rewritten (`rewrite`), or only mark the wrapper (the inner model records states already).
+    `summed`: the stream between layers is `hidden + residual` (vLLM's fused-residual layers); else
+    `hidden` alone (layers that take their input as the residual, such as Cohere's parallel blocks)."""
 
     inner_module: str
     inner: str
     rewrite: bool
+    summed: bool = True
 
 
 def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
@@ -118,6 +121,15 @@ def find_loop(fn: ast.FunctionDef) -> tuple[int, ast.For, ast.Assign, str, str |
                 return i, stmt, calls[0], h, r
             return "its layer call does not return (hidden, residual) or hidden"
     return "its forward has no loop over self.layers"
+
+
+def _restarts_residual(fn: ast.FunctionDef) -> bool:
+    """A decoder layer's forward whose first statement is `residual = hidden_states`: it drops the
+    residual it is given, so the stream it returns is `hidden_states` alone."""
+    body = [b for b in fn.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+    first = body[0] if body else None
+    return (isinstance(first, ast.Assign) and len(first.targets) == 1 and ast.unparse(first.targets[0]) == "residual"
+            and ast.unparse(first.value) == "hidden_states")
 
 
 def _records_states(fn: ast.FunctionDef) -> bool:
@@ -224,7 +236,21 @@ class Source:
         loop = find_loop(fwd[1])
         if isinstance(loop, str):
             return f"{inner}: {loop}"
-        return Plan(where[0], inner, rewrite=True)
+        return Plan(where[0], inner, rewrite=True, summed=not self._layers_restart_residual(where[0], where[1]))
+
+    def _layers_restart_residual(self, module: str, inner: ast.ClassDef) -> bool:
+        """Whether the decoder layers the model builds (classes called in its __init__ whose forward
+        takes a `residual`) drop the residual they are given."""
+        init = self.method(module, inner, "__init__")
+        if init is None:
+            return False
+        for node in ast.walk(init[1]):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                got = self.resolve(init[0], node.func.id)
+                fwd = self.method(got[0], got[1], "forward") if got else None
+                if fwd and "residual" in [a.arg for a in fwd[1].args.args] and _restarts_residual(fwd[1]):
+                    return True
+        return False
 
 
 def can_capture(models_dir: str | os.PathLike, module: str, cls_name: str) -> tuple[bool, str]:
@@ -233,18 +259,39 @@ def can_capture(models_dir: str | os.PathLike, module: str, cls_name: str) -> tu
     return (True, "") if isinstance(got, Plan) else (False, got)
 
 
+# the registry's tables of models that generate text (the Transformers backend's included: Olmo-2 runs there)
+TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS",
+          "_TRANSFORMERS_BACKEND_MODELS")
+
+
+def registry(models: Path) -> dict[str, tuple[str, str]]:
+    """HF architecture -> (module, class) of the tables that generate text (`TABLES`), a later table
+    naming an architecture again winning, as in vLLM's merged registry (`_VLLM_MODELS`)."""
+    tree = ast.parse((models / "registry.py").read_text())
+    out = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        name = getattr(target, "id", "")
+        if name in TABLES and isinstance(node.value, ast.Dict):
+            for k, v in zip(node.value.keys, node.value.values):
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) >= 2:
+                    out[k.value] = (v.elts[0].value, v.elts[1].value)
+    return out
+
+
 # --------------------------------------------------------------------------- in vLLM's processes
 
 
-def rewrite_forward(source: str) -> str:
-    """A decoder forward's source with the layer states recorded (see the module's docstring)."""
+def rewrite_forward(source: str, summed: bool = True) -> str:
+    """A decoder forward's source with the layer states recorded (see the module's docstring);
+    `summed`: the stream is hidden + residual (else hidden alone, `Plan.summed`)."""
     tree = ast.parse(textwrap.dedent(source))
     fn = tree.body[0]
     got = find_loop(fn)
     if isinstance(got, str):
         raise ValueError(got)
     i, loop, call, h, r = got
-    res = r or "None"
+    res = r if (r and summed) else "None"
     loop.iter = ast.Call(func=ast.Name("enumerate", ast.Load()), args=[loop.iter],
                          keywords=[ast.keyword("start", ast.parse("self.start_layer", mode="eval").body)])
     loop.target = ast.Tuple([ast.Name(INDEX, ast.Store()), loop.target], ast.Store())
@@ -285,7 +332,7 @@ def build(module: str, cls_name: str):
     attrs = {"__module__": __name__, "__qualname__": f"{cls_name}WithStates", "supports_eagle3": True}
     if plan.rewrite:
         fwd = inner.forward
-        src = rewrite_forward(inspect.getsource(fwd))
+        src = rewrite_forward(inspect.getsource(fwd), summed=plan.summed)
         ns = dict(fwd.__globals__)
         exec(compile(src, str(_written(src, f"{plan.inner_module}.{plan.inner}")), "exec"), ns)
         forward = ns["forward"]
@@ -317,19 +364,21 @@ def __getattr__(name: str):
 
 def register() -> None:
     """vLLM's plugin hook (every vLLM process): in a capture engine blockdraft started, point each
-    architecture `ENV` names at the class this module builds for it (lazily, by name)."""
+    architecture `ENV` names (`{"architectures": [...]}`) at the class this module builds for it
+    (lazily, by name)."""
     spec = os.environ.get(ENV)
     if not spec:
         return
     from vllm import ModelRegistry
 
+    models = Path(sys.modules["vllm"].__file__).parent / "model_executor" / "models"
     for arch in json.loads(spec).get("architectures", []):
         entry = ModelRegistry.models.get(arch)
         module, cls = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
         if module is None or not module.startswith(MODELS + ".") or cls is None:
             continue  # already ours (plugins load more than once), or not one of vLLM's own modules
         short = module[len(MODELS) + 1:]
-        source = Source(Path(sys.modules["vllm"].__file__).parent / "model_executor" / "models")
+        source = Source(models)
         if source.supports_eagle3(short, cls) or not isinstance(source.plan(short, cls), Plan):
             continue  # vLLM's own class captures; or one the plugin cannot change (can_capture says why)
         ModelRegistry.register_model(arch, f"{__name__}:{PREFIX}{short}__{cls}")
