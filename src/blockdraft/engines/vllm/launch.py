@@ -27,6 +27,7 @@ from pathlib import Path
 
 import blockdraft
 
+from ...locks import pid_alive
 from .feed import STAND_IN
 from .job import EngineFailed, exit_reason, stated_cause
 from .spool import IDENTITY, STOP, Spool
@@ -115,7 +116,7 @@ class Replica:
         if rc is not None:
             said = self.cause()
             return exit_reason(rc) + (f": {said}" if said else "")
-        if self.proc is None and st.get("pid") and not _alive(int(st["pid"])):
+        if self.proc is None and st.get("pid") and not pid_alive(int(st["pid"])):
             said = self.cause()
             return f"its process {st['pid']} is gone" + (f": {said}" if said else "")
         if st.get("state") == "stopped":
@@ -130,16 +131,6 @@ class Replica:
             return stated_cause(self.log.read_text(errors="replace"))
         except FileNotFoundError:
             return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -259,7 +250,7 @@ def running(root: Path, want: dict) -> Engines | None:
         return None
     got = attach_engines(Spool(root))
     alive = [r for r in got.replicas if r.read().get("pid") and r.read().get("state") in ("starting", "ready")
-             and _alive(int(r.read()["pid"]))]
+             and pid_alive(int(r.read()["pid"]))]
     if not alive:
         return None
     have = json.loads(ident.read_text())
