@@ -83,6 +83,11 @@ def test_online_training_equals_training_from_the_engine_cache(tmp_path, tiny_ta
     wa, wb = drafter_weights(tmp_path / "offline"), drafter_weights(tmp_path / "online")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not (tmp_path / "spool").exists()  # removed after a clean finish
+    # what the engine served is on record in both: the cache's manifest and the online run's summary
+    info = json.loads((tmp_path / "train" / "manifest.json").read_text())
+    served = json.loads((tmp_path / "online" / "summary.json").read_text())["engine"]
+    assert served == [{"dtype": info["engine_dtype"], "quantization": info["quantization"]}]
+    assert info["engine_dtype"] == "float32"
 
 
 def test_the_spool_stays_within_its_budget(tmp_path, tiny_target_dir, split, stand_in, monkeypatch):

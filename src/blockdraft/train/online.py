@@ -31,6 +31,7 @@ class Online:
     engines: object
     train_features: object
     eval_features: object | None
+    served: list  # per replica, what vLLM serves: dtype, quantization (the run's summary records it)
 
     def close(self, ok: bool) -> None:
         """Readers closed; engines this process started stopped, and their spool removed after a clean
@@ -110,7 +111,8 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     # requests are small (token ids); the engines hold the spool to its budget however far ahead they go
     train_f = OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD)
     eval_f = OnlineFeatures(reader(eval_rows, "e"), lookahead=LOOKAHEAD) if eval_rows is not None else None
-    return Online(engines, train_f, eval_f)
+    served = [{"dtype": st.get("dtype"), "quantization": st.get("quantization")} for st in states]
+    return Online(engines, train_f, eval_f, served)
 
 
 def node_split(opts: EngineOptions) -> int:

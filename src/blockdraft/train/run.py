@@ -194,7 +194,8 @@ def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
         feats = {"train_features": streams.train_features, "eval_features": streams.eval_features}
         ok = False
         try:
-            summary = _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device)
+            summary = _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device,
+                           record={"engine": streams.served})
             ok = True
             return summary
         finally:
@@ -203,7 +204,8 @@ def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
 
 
 def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, rank: int, world_size: int,
-         device: str) -> dict:
+         device: str, record: dict | None = None) -> dict:
+    """`record`: what summary.json adds about where the features came from (an online run's engines)."""
     from ..checkpoint.native import load_drafter
     from .plots import plot_run
     from .rundir import clear_run
@@ -229,5 +231,6 @@ def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, 
     out = Path(tc.out)
     plot_run(out / "metrics.jsonl", out)
     load_drafter(out / "drafter")  # the saved directory must load back
+    summary = {**summary, **(record or {})}
     write_text(out / "summary.json", dumps_finite(summary, "the run's summary", indent=1))
     return summary
