@@ -59,11 +59,14 @@ def dpace_weights(confidence: torch.Tensor, supervised: torch.Tensor, alpha: flo
     return reach.flip(1).cumsum(1).flip(1) * mask
 
 
-def slot_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, kind: str) -> torch.Tensor:
-    """[S, V] x [S, V] -> [S] per-slot loss."""
-    logq = F.log_softmax(draft_logits.float(), dim=-1)
+def slot_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor | None, kind: str,
+                target_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, V] x [S, V] -> [S] per-slot loss. The hard loss needs only the target's argmax: `target_ids` [S]
+    (its column in the draft logits) when known, so no label row is read."""
     if kind == "hard":
-        return F.nll_loss(logq, target_logits.argmax(dim=-1), reduction="none")
+        ids = target_logits.argmax(dim=-1) if target_ids is None else target_ids
+        return F.cross_entropy(draft_logits.float(), ids, reduction="none")
+    logq = F.log_softmax(draft_logits.float(), dim=-1)
     logp = F.log_softmax(target_logits.float(), dim=-1)
     p = logp.exp()
     if kind == "soft":
@@ -93,7 +96,8 @@ class Labels(NamedTuple):
     so no [S, V] copy exists (DESIGN.md section 5, rule 3).
 
     logits [P, V] (or [P, Vd], already restricted to the draft vocabulary: then `top`, the
-    full-vocabulary argmax [P], is required); index [S] row of `logits` per supervised slot."""
+    full-vocabulary argmax [P], is required; or None when the loss needs only `top`: the hard loss
+    of a kind whose added terms read no label row); index [S] row of `logits` per supervised slot."""
 
     logits: torch.Tensor
     index: torch.Tensor
@@ -125,8 +129,10 @@ def _weighted_parts(target_logits, supervised, gamma, kind, draft_vocab):
         w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
     lab = as_labels(target_logits)
     restricted = lab.top is not None
+    if lab.logits is None and (lab.top is None or kind != "hard"):
+        raise ValueError(f"labels without logits carry only the target's argmax: the {kind!r} loss needs its logits")
     if restricted:
-        if draft_vocab is None or lab.logits.shape[-1] != len(draft_vocab):
+        if lab.logits is not None and (draft_vocab is None or lab.logits.shape[-1] != len(draft_vocab)):
             raise ValueError("restricted labels need the draft vocabulary they were restricted to")
         top_rows = lab.top
     else:
@@ -189,10 +195,21 @@ def _weighted(w, per, confidence, supervised, gamma):
     return (w * per).sum() / w.sum().clamp(min=1e-12)
 
 
-def _slot_labels(logits: torch.Tensor, index: torch.Tensor, draft_vocab, restrict: bool) -> torch.Tensor:
-    """The label rows of some slots [s, V'], gathered now (inside a loss chunk)."""
+def _slot_labels(logits: torch.Tensor | None, index: torch.Tensor, draft_vocab, restrict: bool) -> torch.Tensor | None:
+    """The label rows of some slots [s, V'], gathered now (inside a loss chunk); None without logits."""
+    if logits is None:
+        return None
     t = logits[index]
     return t[:, draft_vocab] if restrict else t
+
+
+def _draft_column(target_top: torch.Tensor, draft_vocab) -> torch.Tensor:
+    """The target's argmax [s] as a column of the draft logits (a token outside the draft vocabulary,
+    whose slots weigh 0 in the hard loss, gets column 0)."""
+    if draft_vocab is None:
+        return target_top
+    at = torch.searchsorted(draft_vocab, target_top).clamp(max=len(draft_vocab) - 1)
+    return torch.where(draft_vocab[at] == target_top, at, torch.zeros_like(at))
 
 
 def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Tensor, *,
@@ -220,7 +237,8 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Ten
     draft_top = draft_logits.argmax(-1)
     if draft_vocab is not None:
         draft_top = draft_vocab[draft_top]
-    per = slot_losses(draft_logits, _slot_labels(logits, index, draft_vocab, restrict), kind)  # [S]
+    per = slot_losses(draft_logits, _slot_labels(logits, index, draft_vocab, restrict), kind,
+                      _draft_column(target_top, draft_vocab))  # [S]
     conf = _confidence(draft_logits, target_top, draft_vocab) if isinstance(gamma, DPace) else None
     loss = _weighted(w, per, conf, supervised, gamma)
     return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)
@@ -264,9 +282,10 @@ def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: t
                         chunk: int = 256, sync_metrics: bool = True, terms=None,
                         prev: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
-    never holding the [S, Vd] draft logits nor an [S, V] copy of the labels: each chunk of slots
-    gathers its label rows and computes its logits inside a checkpoint, recomputed in backward.
-    Same value and gradient as `dflash_loss(head(hidden), ...)`; peak memory one chunk.
+    never holding the [S, Vd] draft logits nor an [S, V] copy of the labels; peak memory one chunk.
+    With fixed slot weights (a gamma) each chunk's logits are made once and its share of the loss
+    differentiated at once (`fused_chunks`: no head runs again in backward); D-PACE's weights need
+    every slot's draft first, so there each chunk runs in a checkpoint, recomputed in backward.
 
     `terms` (a drafter kind's `SlotTerms`, model/kinds/) replaces `head`: its logits (DSpark adds its
     Markov bias, from each slot's previous token `prev` [S]) and the per-slot loss it adds, weighted
@@ -283,22 +302,89 @@ def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: t
         return dflash_loss(terms.logits(hidden, prev), target_logits, supervised, gamma=gamma, kind=kind,
                            draft_vocab=draft_vocab, sync_metrics=sync_metrics)
     w, target_top, logits, index, restrict = _weighted_parts(target_logits, supervised, gamma, kind, draft_vocab)
+    column = _draft_column(target_top, draft_vocab)
     dpace = isinstance(gamma, DPace)
     none = hidden.new_zeros(0, dtype=torch.float32)
 
-    def part(h, idx, top_t, pv):
-        t = _slot_labels(logits, idx, draft_vocab, restrict)  # [chunk, V'] made here, freed after
-        draft = terms.logits(h, pv)  # [chunk, Vd]
-        conf = _confidence(draft, top_t, draft_vocab) if dpace else none
-        added, picked = terms.added(draft, t, h, pv, top_t)
+    def part(h, i):
+        """Per-slot loss, drafted ids, confidence and added loss of the chunk of slots from i."""
+        j = slice(i, i + h.shape[0])
+        t = _slot_labels(logits, index[j], draft_vocab, restrict)  # [chunk, V'] made here, freed after
+        draft = terms.logits(h, prev[j])  # [chunk, Vd]
+        conf = _confidence(draft, target_top[j], draft_vocab) if dpace else none
+        added, picked = terms.added(draft, t, h, prev[j], target_top[j])
         picked = to_target_ids(draft.argmax(-1), draft_vocab) if picked is None else picked
-        return slot_losses(draft, t, kind), picked, conf, none if added is None else added
+        return slot_losses(draft, t, kind, column[j]), picked, conf, none if added is None else added
 
-    outs = [checkpoint(part, hidden[i:i + chunk], index[i:i + chunk], target_top[i:i + chunk], prev[i:i + chunk],
-                       use_reentrant=False) for i in range(0, S, chunk)]
-    per, draft_top, conf, added = (torch.cat(x) for x in zip(*outs))
-    # the per-slot losses [S] are weighted after all chunks: D-PACE's weights need every slot's draft
-    loss = _weighted(w, per, conf if dpace else None, supervised, gamma)
-    if added.numel():
-        loss = loss + terms.weight * (w * added).sum() / w.sum().clamp(min=1e-12)
+    if dpace:
+        outs = [checkpoint(part, hidden[i:i + chunk], i, use_reentrant=False) for i in range(0, S, chunk)]
+        per, draft_top, conf, added = (torch.cat(x) for x in zip(*outs))
+        # the per-slot losses [S] are weighted after all chunks: D-PACE's weights need every slot's draft
+        loss = _weighted(w, per, conf, supervised, gamma)
+        if added.numel():
+            loss = loss + terms.weight * (w * added).sum() / w.sum().clamp(min=1e-12)
+    else:
+        scale = w / w.sum().clamp(min=1e-12)  # each slot's share of the loss
+
+        def share(h, i):
+            per, picked, _, added = part(h, i)
+            s = scale[i:i + h.shape[0]]
+            value = (s * per).sum()
+            if added.numel():
+                value = value + terms.weight * (s * added).sum()
+            return value, picked
+
+        loss, draft_top = fused_chunks(hidden, share, chunk, trainable(terms))
     return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)
+
+
+def trainable(terms) -> list[torch.Tensor]:
+    """The parameters a kind's slot terms may train beside the drafter's hidden states (its own heads)."""
+    mods = [m for m in (getattr(terms.drafter, name, None) for name in ("markov_head", "confidence_head",
+                                                                       "candidate_selector")) if m is not None]
+    return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+
+def fused_chunks(hidden: torch.Tensor, share, chunk: int, params: list[torch.Tensor]):
+    """sum over chunks of `share(h, i)` (a scalar and [c] drafted ids for the slots from i), with its
+    gradient to `hidden` and `params` taken chunk by chunk as the value is: (loss, drafted ids [S])."""
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))):
+        with torch.no_grad():
+            outs = [share(hidden[i:i + chunk], i) for i in range(0, hidden.shape[0], chunk)]
+        return torch.stack([v.float() for v, _ in outs]).sum(), torch.cat([p for _, p in outs])
+    return _FusedChunks.apply(hidden, share, chunk, *params)
+
+
+class _FusedChunks(torch.autograd.Function):
+    """A chunked loss whose backward only scales gradients its forward took: each chunk's logits exist
+    once, inside forward (the recomputation a checkpoint would do is the head's cost again)."""
+
+    @staticmethod
+    def forward(ctx, hidden, share, chunk, *params):
+        grad_h = torch.zeros_like(hidden)
+        grads: list[torch.Tensor | None] = [None] * len(params)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        picks = []
+        for i in range(0, hidden.shape[0], chunk):
+            h = hidden[i:i + chunk].detach().requires_grad_(True)
+            with torch.enable_grad():
+                value, picked = share(h, i)
+                gs = torch.autograd.grad(value, [h, *params], allow_unused=True)
+            grad_h[i:i + chunk] = gs[0]
+            for k, g in enumerate(gs[1:]):
+                if g is not None:
+                    grads[k] = g if grads[k] is None else grads[k] + g
+            total += value.detach().float()
+            picks.append(picked)
+        picked = torch.cat(picks)
+        ctx.mark_non_differentiable(picked)
+        ctx.has = [g is not None for g in grads]
+        ctx.save_for_backward(grad_h, *[g for g in grads if g is not None])
+        return total, picked
+
+    @staticmethod
+    def backward(ctx, g_total, _g_picked):
+        grad_h, *kept = ctx.saved_tensors
+        it = iter(kept)
+        params = [(lambda g: g * g_total.to(g.dtype))(next(it)) if has else None for has in ctx.has]
+        return (grad_h * g_total.to(grad_h.dtype), None, None, *params)

@@ -140,14 +140,16 @@ def plan_host(batch: Batch, block_size: int, *, max_anchors: int = DEFAULTS.max_
 
 def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
             generator: torch.Generator | None = None,
-            anchors: torch.Tensor | None = None, cached=None, host_plan: HostPlan | None = None) -> Prepared:
+            anchors: torch.Tensor | None = None, cached=None, host_plan: HostPlan | None = None,
+            label_rows: bool = True) -> Prepared:
     """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
 
     `anchors` (flat, sorted) overrides sampling. `cached` (data.features.StoredOutputs, stored
     earlier) replaces the target forward: the labels are then the target's own head on its final
     normed state, which equals its logits (one norm, never two); with its full-vocabulary argmax
-    known, a draft vocabulary's rows are all the head computes. `host_plan`: `plan_host` of this
-    batch, made ahead (else made here).
+    known, a draft vocabulary's rows are all the head computes, and with `label_rows` False (a loss
+    that reads only that argmax: `needs_label_rows`) the head does not run. `host_plan`: `plan_host`
+    of this batch, made ahead (else made here).
     """
     B = drafter.block_size
     Bz, T = batch.input_ids.shape
@@ -163,7 +165,9 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
         rows = drafter.vocab_rows
         with torch.no_grad():
             hidden = cached.final_hidden.to(dev, non_blocking=True).reshape(Bz * T, -1)[keep_d].to(target.dtype)
-            if cached.top is not None and rows is not None:  # the full-vocabulary argmax is known: draft rows only
+            if cached.top is not None and not label_rows:  # the argmax is all the loss reads
+                labels = Labels(None, index_d, cached.top.reshape(Bz * T)[keep].to(dev))
+            elif cached.top is not None and rows is not None:  # the full-vocabulary argmax is known: draft rows only
                 top = cached.top.reshape(Bz * T)[keep].to(dev)  # [P]
                 labels = Labels(target.head(hidden, rows), index_d, top)  # [P, Vd]
             else:
@@ -181,22 +185,28 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
                  backend: str = "auto", anchors: torch.Tensor | None = None, cached=None,
                  sync_metrics: bool = True, host_plan: HostPlan | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (clause 7); `sync_metrics=False` leaves them on the device as sums."""
+    rows = drafter.vocab_rows
+    terms = drafter.kind.slot_terms(drafter, lambda h: target.head(h.to(target.dtype), rows), rows)
     p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors,
-                cached=cached, host_plan=host_plan)
+                cached=cached, host_plan=host_plan, label_rows=needs_label_rows(loss, terms))
     dt = drafter.fc.weight.dtype
     # under autocast fc takes the features as they come (an fp32 copy of [T, F*Ht] would be the
     # largest tensor of the step); the block rows start the residual stream in the weights' dtype
     amp = torch.is_autocast_enabled(p.features.device.type)
     hidden = drafter(p.features if amp else p.features.to(dt), p.block_embeds.to(dt), p.layout, backend)  # [N, B, Hd]
-    rows = drafter.vocab_rows
     g = default_gamma(drafter.block_size) if gamma is None else gamma
-    # the [S, Vd] draft logits are made one chunk of slots at a time (and again in backward)
+    # the [S, Vd] draft logits are made one chunk of slots at a time
     # (as many slots per chunk as the device's free memory allows: 256 on a CPU)
-    width = len(rows) if rows is not None else p.target_logits.logits.shape[-1]  # the head's vocabulary
-    terms = drafter.kind.slot_terms(drafter, lambda h: target.head(h.to(target.dtype), rows), rows)
+    width = len(rows) if rows is not None else target.vocab_size  # the head's vocabulary
     return dflash_loss_chunked(hidden[p.supervised], None, p.target_logits, p.supervised, gamma=g, kind=loss,
                                draft_vocab=rows, chunk=loss_chunk_slots(hidden.device, width),
                                sync_metrics=sync_metrics, terms=terms, prev=p.prev)
+
+
+def needs_label_rows(loss: str, terms) -> bool:
+    """Whether a step's loss reads the target's label rows, not only their argmax: every loss but the
+    hard one, and kinds whose added terms compare distributions (DSpark's confidence)."""
+    return loss != "hard" or terms.reads_label_rows
 
 
 def train_step(target, drafter, optimizer, batch: Batch, *, grad_clip: float | None = 1.0, **kw) -> dict:

@@ -33,6 +33,7 @@ class SlotTerms:
     vocabulary's target ids or None. DFlash: the head's logits, nothing added."""
 
     weight = 1.0  # of the added term, against the token loss
+    reads_label_rows = False  # whether `added` reads the label rows (else the target's argmax is all it takes)
 
     def __init__(self, drafter: nn.Module, head: Head, rows: torch.Tensor | None):
         self.drafter, self.head, self.rows = drafter, head, rows

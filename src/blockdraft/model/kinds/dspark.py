@@ -53,6 +53,10 @@ def _confidence(drafter):
 
 
 class DSparkTerms(SlotTerms):
+    @property
+    def reads_label_rows(self) -> bool:  # the confidence head learns sum over v of min(p, q)
+        return _confidence(self.drafter) is not None
+
     def logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         out = self.head(h)
         if _markov(self.drafter) is None:
