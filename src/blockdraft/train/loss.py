@@ -355,6 +355,10 @@ def fused_chunks(hidden: torch.Tensor, share, chunk: int, params: list[torch.Ten
     return _FusedChunks.apply(hidden, share, chunk, *params)
 
 
+def _keep(x):
+    return x
+
+
 class _FusedChunks(torch.autograd.Function):
     """A chunked loss whose backward only scales gradients its forward took: each chunk's logits exist
     once, inside forward (the recomputation a checkpoint would do is the head's cost again)."""
@@ -367,7 +371,9 @@ class _FusedChunks(torch.autograd.Function):
         picks = []
         for i in range(0, hidden.shape[0], chunk):
             h = hidden[i:i + chunk].detach().requires_grad_(True)
-            with torch.enable_grad():
+            # what a chunk's own graph saves lives only until its gradient is taken, here: hooks outside
+            # (activation offloading, memory accounting) see only what backward keeps
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                 value, picked = share(h, i)
                 gs = torch.autograd.grad(value, [h, *params], allow_unused=True)
             grad_h[i:i + chunk] = gs[0]
