@@ -224,6 +224,14 @@ def cmd_doctor(args) -> int:
     from .doctor import FAIL, doctor_main, report
 
     _threads(args)
+    if args.show:
+        if not args.data:
+            raise ValueError("--show N prints records of --data FILE: pass --data")
+        from .data.show import show
+        from .target.files import TargetFiles, is_random, random_target_tokenizer
+
+        tok = random_target_tokenizer() if is_random(args.target) else TargetFiles.resolve(args.target).tokenizer
+        print(show(tok, args.data, args.show), flush=True)
     checks = doctor_main(args.target, args.drafter, args.data, args.device, vllm=args.vllm,
                          llama_cpp=args.llama_cpp, target_gguf=args.target_gguf, debug=args.debug)
     print(report(checks, as_json=args.json))
@@ -239,7 +247,8 @@ class FORMATTER(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if states_default(action.help) else super()._get_help_string(action)
 
 
-RUNTIME = ("target", "device", "threads", "target_device_map", "offload_folder")  # every command that runs one
+RUNTIME = ("target", "device", "threads", "target_device_map", "offload_folder", "chat_template",
+           "thinking")  # every command that runs one
 
 
 def _target_args(p, *, features: bool = False) -> None:
@@ -358,6 +367,9 @@ def _add_doctor(sub) -> None:
                         "the target alone, before training)")
     d.add_argument("--data", default=None, type=Checked(str, check=existing()),
                    help="conversations to check the loss masks on")
+    d.add_argument("--show", type=Checked(int, min=1), default=0, metavar="N",
+                   help="first print N records of --data as the chat template renders them, the tokens that carry "
+                        "loss marked, and where reasoning, tool calls and tool results are")
     d.add_argument("--vllm", action="store_true",
                    help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
     d.add_argument("--llama-cpp", action="store_true",
@@ -475,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     from .engines.vllm.job import EngineFailed
 
     try:
+        if hasattr(args, "chat_template"):
+            from .data.chat import use_template
+
+            use_template(args.chat_template, args.thinking)  # every rendering of this command
         rc = int(args.fn(args) or 0)
         from .train.distributed import leave
 

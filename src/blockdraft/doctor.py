@@ -295,8 +295,10 @@ def check_data(target, path: str | None) -> Check:
 
     if path is None:
         return Check("data", WARN, "no --data given: loss masks not checked", "pass --data FILE")
+    from .data.chat import has_chat_template
+
     tok = target.tokenizer
-    if not getattr(tok, "chat_template", None):
+    if not has_chat_template(tok):
         return Check("data", WARN, "the tokenizer has no chat template: a plain fallback is used", "set a template")
     convs, _ = load_conversations(path, skip_bad_lines=True)
     for c in convs[:20]:

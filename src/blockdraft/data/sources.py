@@ -10,6 +10,12 @@ Role names are matched case-insensitively through `ROLES` (ShareGPT's human/gpt/
 bard/bing included). Content may be a string, ``None`` (read as "") or a list of OpenAI
 text parts (``{"type": "text", "text": ...}``), which are joined.
 
+What thinking, tool-calling models write is kept as the OpenAI and Hugging Face conventions write
+it, for the target's chat template to render: an assistant turn's reasoning (``reasoning_content``,
+or the ``reasoning`` / ``thinking`` spellings, kept as ``reasoning_content``) and its ``tool_calls``
+(a list of objects); a tool turn's ``tool_call_id`` and ``name``; and a record's ``tools`` list
+(the conversation's `tools` attribute: `Conversation`).
+
 Bad input (malformed JSON, a record without either schema, an unknown role, content that
 is not text) raises ValueError naming the file and line (JSONL), record index (JSON array,
 in-memory dataset) or row (parquet); with ``skip_bad_lines=True`` such records are skipped
@@ -38,7 +44,20 @@ ROLES = {
     "bing": "assistant",
 }
 
-Message = dict  # {"role": str, "content": str}
+Message = dict  # {"role": str, "content": str} (+ reasoning_content, tool_calls, tool_call_id, name)
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+class Conversation(list):
+    """A conversation's messages, and the tools its record offers the model (None: none given)."""
+
+    def __init__(self, messages=(), tools: list | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def tools_of(messages) -> list | None:
+    return getattr(messages, "tools", None)
 
 
 @dataclass
@@ -110,7 +129,43 @@ def parse_record(record) -> list[Message]:
         mapped = ROLES.get(str(role).strip().lower())
         if mapped is None:
             raise BadRecord(f"message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
-        out.append({"role": mapped, "content": _text(_pick(turn, "content", "value"), i)})
+        msg = {"role": mapped, "content": _text(_pick(turn, "content", "value"), i)}
+        msg.update(_written(turn, mapped, i))
+        out.append(msg)
+    tools = record.get("tools")
+    if isinstance(tools, str):  # some exports store the list as JSON text
+        tools = _json_field(tools, "the record's 'tools'")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRecord(f"'tools' must be a list of objects, got {tools!r:.80}")
+    return Conversation(out, tools or None)
+
+
+def _json_field(text: str, what: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"{what} is a string but not JSON ({e.msg})") from None
+
+
+def _written(turn: dict, role: str, i: int) -> dict:
+    """The fields beside the content a chat template reads: an assistant turn's reasoning and tool
+    calls, a tool turn's call id and name."""
+    out = {}
+    if role == "assistant":
+        reasoning = _pick(turn, *REASONING_KEYS)
+        if reasoning is not None:
+            out["reasoning_content"] = _text(reasoning, i)
+        calls = turn.get("tool_calls")
+        if isinstance(calls, str):
+            calls = _json_field(calls, f"message {i}'s 'tool_calls'")
+        if calls:
+            if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                raise BadRecord(f"message {i} has 'tool_calls' that is not a list of objects: {calls!r:.80}")
+            out["tool_calls"] = calls
+    elif role == "tool":
+        for key in ("tool_call_id", "name"):
+            if turn.get(key) is not None:
+                out[key] = str(turn[key])
     return out
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..options import opt
+from ..options import existing, opt
 from .cache import complete, convert_once
 from .tiny import RANDOM_PREFIX, random_preset
 
@@ -119,6 +119,11 @@ class TargetOptions:
     num_features: int = opt(5, "target layers whose outputs feed the drafter, spread uniformly (clause 1)", min=1)
     layer_ids: list[int] | None = opt(None, "explicit target layer ids instead (0-based decoder-layer outputs), "
                                             "comma-separated", metavar="IDS")
+    chat_template: str | None = opt(None, "render conversations with this Jinja chat template file instead of the "
+                                          "target tokenizer's own (use the one your engine serves with)", metavar="FILE",
+                                    check=existing("file"))
+    thinking: str | None = opt(None, "render with thinking on or off (the enable_thinking flag of thinking models' "
+                                     "templates; default: the template's own)", choices=("on", "off"))
 
 
 def pick_device(device: str | None) -> str:

@@ -55,7 +55,10 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
     from ..ownership import claim
     from .distributed import barrier, init_from_env
 
+    from ..data.chat import use_template
+
     engine = engine or EngineOptions()
+    use_template(target_opts.chat_template, target_opts.thinking)
     if target_opts.target_fsdp:
         raise ValueError("extract splits its shards over the ranks, each running the whole target; --target-fsdp "
                          "is for training (drop it here, or extract with --target-device-map)")

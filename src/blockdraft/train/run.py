@@ -156,12 +156,19 @@ def run_training(cfg: RunConfig) -> dict:
     tc = cfg.train
     tc.validate()
     check_cache_options(cfg.data)
+    from ..data.chat import use_template
+
+    use_template(cfg.target.chat_template, cfg.target.thinking)  # recorded with the run: --resume renders alike
     if cfg.engine.engine == "vllm":
         from .online import check_online
 
         check_online(cfg)
     check_resume(tc.out, tc.resume)
     preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
+    if tc.resume:  # the checkpoint's record read now, not after the target loaded (train.state)
+        from .state import find_checkpoint, read_meta
+
+        read_meta(find_checkpoint(Path(tc.out) / "checkpoint") or Path(tc.out) / "checkpoint")
     with claim_run(tc.out, resume=tc.resume, overwrite=tc.overwrite):
         return _train(cfg, tc)
 
