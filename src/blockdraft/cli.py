@@ -50,7 +50,8 @@ def cmd_regenerate(args) -> int:
     else:
         target = TargetModel.from_pretrained(args.target, device=args.device, **spread_kwargs(args))
     res = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     engine=args.engine, progress=not args.no_progress,
+                     engine=args.engine, progress=not args.no_progress, temperature=args.temperature,
+                     top_p=args.top_p, seed=args.seed,
                      engine_options={"tensor_parallel_size": args.tensor_parallel_size, "memory": args.engine_memory})
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
     if args.bundle:
@@ -283,7 +284,7 @@ def _add_train(sub) -> None:
 
 
 def _add_regenerate(sub) -> None:
-    r = sub.add_parser("regenerate", help="let the target write the assistant turns of a prompt set",
+    r = sub.add_parser("regenerate", help="let the target write every assistant turn of a prompt set, greedy or sampled",
                        formatter_class=FORMATTER)
     _target_args(r)
     r.add_argument("--prompts", default="default", type=Checked(str, check=existing("file", names=("default",))),
@@ -292,6 +293,10 @@ def _add_regenerate(sub) -> None:
                    help="answers, JSONL; an existing file is completed, never rewritten (required)")
     r.add_argument("--n", type=Checked(int), default=0, help="answer only the first N prompts (0: all)")
     r.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
+    r.add_argument("--temperature", type=Checked(float, min=0), default=0.0,
+                   help="0: greedy; else sample each answer (as served), reproducibly from --seed")
+    r.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")
+    r.add_argument("--seed", type=Checked(int), default=0, help="sampling seed (each prompt and turn draws its own)")
     r.add_argument("--batch-size", type=Checked(int, min=1), default=8, help="prompts per generate call (vLLM: 64-256)")
     r.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")

@@ -229,3 +229,102 @@ def test_write_prompts_checks_its_bytes_first(tmp_path, monkeypatch):
     assert not (tmp_path / "p.jsonl").exists()
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=size))
     assert write_prompts(recs, tmp_path / "p.jsonl").stat().st_size == size
+
+
+def _greedy_turns(target, tok, conv, max_new_tokens):
+    """The reference: the target's own greedy decode, one turn at a time, each from the conversation
+    with the turns before it already written by the target."""
+    from blockdraft.data.chat import encode_prompt
+    from blockdraft.generate.baseline import target_greedy
+    from blockdraft.target import stop_token_ids
+
+    stop = stop_token_ids(tok)
+    hist, answers = [], []
+    for m in conv + ([{"role": "assistant"}] if conv[-1]["role"] != "assistant" else []):
+        if m["role"] != "assistant":
+            hist.append(m)
+            continue
+        got = target_greedy(target, encode_prompt(tok, hist), max_new_tokens=max_new_tokens, stop_token_ids=stop)
+        toks = [t for t in got.tokens]
+        toks = toks[:next((i for i, t in enumerate(toks) if t in stop), len(toks))]
+        text = tok.decode(toks, skip_special_tokens=True).strip()
+        answers.append(text)
+        hist.append({"role": "assistant", "content": text})
+    return answers
+
+
+def test_every_assistant_turn_is_the_targets_own_greedy_continuation(tmp_path, tok):
+    target = tiny_pair(tok)
+    convs = [("two", [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "old answer"},
+                      {"role": "user", "content": "And another?"}]),
+             ("three", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+                        {"role": "assistant", "content": "x"}, {"role": "user", "content": "Count."},
+                        {"role": "assistant", "content": "y"}, {"role": "user", "content": "More."},
+                        {"role": "assistant", "content": "z"}])]
+    out = tmp_path / "a.jsonl"
+    regenerate(target, convs, out, max_new_tokens=6, batch_size=2, progress=False)
+    recs = {r["id"]: r for r in records(out)}
+    for pid, conv in convs:
+        got = [m["content"] for m in recs[pid]["messages"] if m["role"] == "assistant"]
+        assert got == _greedy_turns(target, tok, conv, 6)
+        assert "old answer" not in json.dumps(recs[pid]) and len(got) == (2 if pid == "two" else 3)
+        assert [m["content"] for m in recs[pid]["messages"] if m["role"] != "assistant"] == \
+            [m["content"] for m in conv if m["role"] != "assistant"]  # the data's own turns stay
+
+
+def test_sampled_answers_are_reproducible_from_the_seed_whatever_the_batching(tmp_path, tok):
+    target = tiny_pair(tok)
+    prompts = [(k, [{"role": "user", "content": f"Tell me about {w}."}, {"role": "assistant", "content": "-"},
+                    {"role": "user", "content": "Go on."}]) for k, w in enumerate(["rain", "snow", "wind"])]
+
+    def run(name, seed, batch):
+        regenerate(target, prompts, tmp_path / name, max_new_tokens=8, batch_size=batch, progress=False,
+                   temperature=1.0, top_p=0.9, seed=seed)
+        return {r["id"]: r["messages"] for r in records(tmp_path / name)}
+
+    a, b, c = run("a.jsonl", 1, 3), run("b.jsonl", 1, 1), run("c.jsonl", 2, 3)
+    assert a == b and a != c
+    greedy = tmp_path / "g.jsonl"
+    regenerate(target, prompts, greedy, max_new_tokens=8, progress=False)
+    assert {r["hash"] for r in records(greedy)}.isdisjoint(r["hash"] for r in records(tmp_path / "a.jsonl"))
+
+
+def test_reasoning_is_split_where_the_template_marks_it(tok):
+    import copy
+
+    from blockdraft.data.regenerate import reasoning_markers, split_answer
+    from tests.data.templates import TEMPLATES
+
+    t = copy.deepcopy(tok)
+    assert reasoning_markers(t) is None  # SmolLM2's template writes no reasoning
+    t.chat_template = TEMPLATES["chatml-think"]
+    markers = reasoning_markers(t)
+    assert markers == ("<think>", "</think>")
+    assert split_answer("<think>\nfirst this\n</think>\n\nThe answer.", markers) == \
+        {"role": "assistant", "content": "The answer.", "reasoning_content": "first this"}
+    assert split_answer("No reasoning here.", markers) == {"role": "assistant", "content": "No reasoning here."}
+
+
+@pytest.mark.parametrize("text", ["my notes\nkeep them\n", "[1, 2, 3]\n", '{"id": 1}\n', "one line, no newline"])
+def test_a_file_regenerate_did_not_write_is_refused_untouched(tmp_path, tok, text):
+    target = tiny_pair(tok)
+    out = tmp_path / "notes.jsonl"
+    out.write_text(text)
+    with pytest.raises(ValueError, match="not an answers file"):
+        regenerate(target, [(0, user("Hi."))], out, max_new_tokens=2, progress=False)
+    assert out.read_text() == text
+
+
+def test_bundle_replaces_only_a_bundle(tmp_path, tok):
+    from blockdraft.data.regenerate import bundle_answers
+
+    target = tiny_pair(tok)
+    prompts = [(0, user("Hi."))]
+    regenerate(target, prompts, tmp_path / "a.jsonl", max_new_tokens=2, progress=False)
+    other = tmp_path / "other.jsonl"
+    other.write_text("precious\n")
+    with pytest.raises(ValueError, match="not an answer record"):
+        bundle_answers(tmp_path / "a.jsonl", other, prompts)
+    assert other.read_text() == "precious\n"
+    assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts) == 1
+    assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts) == 1  # its own bundle: replaced

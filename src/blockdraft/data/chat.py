@@ -276,10 +276,10 @@ def render(tokenizer, messages: list[dict]) -> dict:
     return {"input_ids": ids, "loss_mask": mask_from_offsets(enc["offset_mapping"], spans)}
 
 
-def encode_prompt(tokenizer, messages: list[dict]):
+def encode_prompt(tokenizer, messages: list[dict], tools: list | None = None):
     """A chat prompt for generation: the template with the assistant turn opened, as ids [1, P]
     (the fallback format for a tokenizer without a template)."""
     import torch
 
-    text = render_text(tokenizer, messages, add_generation_prompt=True)
+    text = render_text(tokenizer, messages, add_generation_prompt=True, tools=tools)
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])

@@ -1,10 +1,17 @@
 """Regeneration: the target writes the assistant turns of a prompt set.
 
-Drafters trained on the target's own (greedy) outputs accept more tokens. Output is JSONL,
-one record per prompt ({"id", "hash", "messages"}), appended chunk by chunk and fsync'ed, so
-a killed run resumes where it stopped. A record is keyed by a hash of its prompt messages,
-never by its position: a changed prompt file or another `--n` only adds the answers still
-missing, and never pairs an answer with another prompt. A half-written last line is dropped.
+Drafters trained on the target's own outputs accept more tokens. Every assistant turn is written
+again, in order: turn k is generated from the conversation before it with turns 1..k-1 already
+regenerated (a conversation that ends with a user or tool turn gets one more); the user turns, tool
+results and the record's tools stay the data's own. Greedy by default; with a temperature, sampled
+with a seed per prompt and turn, so the same seed writes the same answers whatever the batching.
+Reasoning the target writes is split into `reasoning_content` where its template marks it.
+
+Output is JSONL, one record per prompt ({"id", "hash", "messages"}), appended chunk by chunk and
+fsync'ed, so a killed run resumes where it stopped. A record is keyed by a hash of its prompt (the
+turns that are not the assistant's, and where the assistant's are) and the sampling settings, never
+by its position: a changed prompt file or another `--n` only adds the answers still missing, and
+never pairs an answer with another prompt. A half-written last line is dropped.
 
 Two engines write the same records: transformers' `generate` (the default, always there) and
 vLLM's offline batched generation (`engine="vllm"`, the `[vllm]` extra), several times faster
@@ -27,10 +34,14 @@ from .prompt_set import token_bytes
 ENGINES = ("transformers", "vllm")
 
 
-def prompt_hash(messages: list[dict]) -> str:
-    """The key of a prompt: a hash of its role/content turns."""
+def prompt_hash(messages: list[dict], settings: dict | None = None) -> str:
+    """The key of a prompt: a hash of its role/content turns (and of the sampling settings, where
+    they are not greedy's defaults)."""
     turns = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return hashlib.sha256(json.dumps(turns, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:20]
+    key = json.dumps(turns, sort_keys=True, ensure_ascii=False)
+    if settings:
+        key += "\n" + json.dumps(settings, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
 def record_hash(rec: dict) -> str:
@@ -38,20 +49,63 @@ def record_hash(rec: dict) -> str:
     return rec.get("hash") or prompt_hash(prompt_messages(rec["messages"]))
 
 
+def turn_slots(messages: list[dict]) -> tuple[list[dict], list[int]]:
+    """The conversation with every assistant turn emptied (and one more after a final user or tool
+    turn), and where those turns are. Its key (`prompt_key`) ignores the data's own answers."""
+    hist = [{"role": "assistant", "content": ""} if m["role"] == "assistant" else dict(m) for m in messages]
+    while hist and hist[-1]["role"] == "assistant" and len(hist) > 1 and hist[-2]["role"] == "assistant":
+        hist.pop()  # answers in a row are one turn
+    if hist and hist[-1]["role"] in ("user", "tool"):
+        hist.append({"role": "assistant", "content": ""})
+    slots = [k for k, m in enumerate(hist) if m["role"] == "assistant"]
+    if not slots or not any(m["role"] == "user" for m in hist[:slots[0]]):
+        raise ValueError("a prompt needs a user turn before its first assistant turn")
+    return hist, slots
+
+
+def prompt_key(messages: list[dict], settings: dict | None = None) -> str:
+    """A single-turn prompt keeps the key of earlier releases (its turns up to the last user turn)."""
+    hist, _ = turn_slots(messages)
+    return prompt_hash(hist[:-1], settings)
+
+
+def answer_records(raw: bytes, where: str) -> list[dict]:
+    """The records of an answers file's complete lines; a file regenerate did not write (a line that is
+    not an answer record) is refused with one line, before anything is changed."""
+    out = []
+    for k, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
+        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in msgs)):
+            raise ValueError(f"{where}:{k}: not an answer record (regenerate writes {{\"id\", \"hash\", \"messages\"}} "
+                             "lines): this is not an answers file; pass another --out")
+        out.append(rec)
+    return out
+
+
 def done_hashes(path: Path) -> set:
-    """Prompt hashes already answered in `path`; truncates a torn last line left by a kill."""
+    """Prompt hashes already answered in `path`; truncates a torn last line left by a kill (only in a
+    file whose every complete line is an answer record and whose torn tail starts as one)."""
     if not path.exists():
         return set()
+    if path.is_symlink() or not path.is_file():
+        raise ValueError(f"{path}: not a regular file; regenerate writes its answers only to a file of its own")
     raw = path.read_bytes()
     cut = raw.rfind(b"\n") + 1
+    recs = answer_records(raw[:cut], str(path))
     if cut != len(raw):
+        if not raw[cut:].lstrip().startswith(b'{"id"'):
+            raise ValueError(f"{path}: its last line is not an answer record: this is not an answers file; "
+                             "pass another --out")
         with open(path, "r+b") as f:
             f.truncate(cut)
-    done = set()
-    for line in raw[:cut].decode("utf-8").splitlines():
-        if line.strip():
-            done.add(record_hash(json.loads(line)))
-    return done
+    return {record_hash(r) for r in recs}
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -87,83 +141,165 @@ def _until_stop(row: list[int], stop: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def _answers_transformers(model, tokenizer, chunk: list[list[dict]], max_new_tokens: int, stop) -> list[list[int]]:
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chunk]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=stop)
-        return gen[:, enc["input_ids"].shape[1]:].tolist()
-    finally:
-        tokenizer.padding_side = side
+def _answers_transformers(model, tokenizer, ids: list[list[int]], max_new_tokens: int, stop,
+                          sampling: dict, seeds: list[int]) -> list[list[int]]:
+    """Greedy in left-padded batches; sampled one prompt at a time, each from its own seed."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if sampling:
+        out = []
+        for row, seed in zip(ids, seeds):
+            torch.manual_seed(seed)
+            x = torch.tensor([row], device=model.device)
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0,
+                                 pad_token_id=pad, eos_token_id=stop)
+            out.append(gen[0, len(row):].tolist())
+        return out
+    width = max(len(r) for r in ids)
+    x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=model.device)
+    gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=stop)
+    return gen[:, width:].tolist()
+
+
+def reasoning_markers(tokenizer, tools=None) -> tuple[str, str] | None:
+    """(opener, closer) the chat template writes around an answer's reasoning (e.g. "<think>",
+    "</think>"), read from a rendering of a probe turn; None where the template writes no reasoning."""
+    from .chat import _try_render
+
+    user = [{"role": "user", "content": "\ue000q"}]
+    turn = {"role": "assistant", "reasoning_content": "\ue000r", "content": "\ue000c"}
+    gen, full = _try_render(tokenizer, user, True, tools), _try_render(tokenizer, user + [turn], False, tools)
+    if not gen or not full or "\ue000r" not in full or "\ue000c" not in full:
+        return None
+    head = full[:full.index("\ue000r")]
+    k = 0  # the opener: what precedes the reasoning after the common part with the generation prompt
+    while k < min(len(head), len(gen)) and head[k] == gen[k]:
+        k += 1
+    opener = head[k:].strip()
+    closer = full[full.index("\ue000r") + 2:full.index("\ue000c")].strip()
+    return (opener, closer) if closer else None
+
+
+def split_answer(text: str, markers: tuple[str, str] | None) -> dict:
+    """An answer's message: its reasoning split out where the template's closer follows it."""
+    if markers is None or markers[1] not in text:
+        return {"role": "assistant", "content": text.strip()}
+    opener, closer = markers
+    reasoning, content = text.split(closer, 1)
+    reasoning = reasoning.strip()
+    if opener and reasoning.startswith(opener):
+        reasoning = reasoning[len(opener):]
+    return {"role": "assistant", "content": content.strip(), "reasoning_content": reasoning.strip()}
 
 
 def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.PathLike, *,
                max_new_tokens: int = 256, batch_size: int = 8, engine: str = "transformers",
-               progress: bool = True, engine_options: dict | None = None) -> dict:
-    """prompts: (id, messages) pairs. Greedy answers appended to `out`; returns counts. `target` is a
+               progress: bool = True, engine_options: dict | None = None, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0) -> dict:
+    """prompts: (id, messages) pairs. Every assistant turn written again (greedy at temperature 0, else
+    sampled), each conversation appended to `out` once all its turns are; returns counts. `target` is a
     TargetModel (transformers engine) or, for vLLM, `target.TargetFiles` (tokenizer and directory).
     One regenerate writes `out` at a time: a second is refused, naming the first (`locks`)."""
     from ..locks import locked
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
+    sampling = {"temperature": float(temperature), "top_p": float(top_p), "seed": int(seed)} if temperature > 0 else {}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with locked(out, "regenerate", lead=True):
         return _answer(target, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size, engine=engine,
-                       progress=progress, engine_options=engine_options)
+                       progress=progress, engine_options=engine_options, sampling=sampling)
 
 
-def _answer(target, prompts: list[tuple[object, list[dict]]], out: Path, *, max_new_tokens: int, batch_size: int,
-            engine: str, progress: bool, engine_options: dict | None) -> dict:
-    from tqdm.auto import tqdm
+def _settings(sampling: dict) -> dict:
+    """What keys an answer beside its prompt: the sampling and the template's thinking setting."""
+    from .chat import _PROCESS
 
-    tok = target.tokenizer
-    done = done_hashes(out)
+    return {**sampling, **_PROCESS["kwargs"]}
+
+
+def _todo(prompts, done: set, settings: dict) -> tuple[list, int]:
     todo, seen, skipped = [], set(), 0
     for pid, m in prompts:
-        msgs = prompt_messages(m)
-        h = prompt_hash(msgs)
+        h = prompt_key(m, settings)
         if h in seen:  # duplicates in the prompt set are answered once
             continue
         seen.add(h)
         if h in done:
             skipped += 1
         else:
-            todo.append((pid, h, msgs))
+            hist, slots = turn_slots(m)
+            todo.append((pid, h, hist, slots, getattr(m, "tools", None)))
+    return todo, skipped
+
+
+def _answer(target, prompts: list[tuple[object, list[dict]]], out: Path, *, max_new_tokens: int, batch_size: int,
+            engine: str, progress: bool, engine_options: dict | None, sampling: dict) -> dict:
+    from tqdm.auto import tqdm
+
+    tok = target.tokenizer
+    todo, skipped = _todo(prompts, done_hashes(out), _settings(sampling))
     if todo:  # found before the first answer, not at the thousandth
         from ..atomic import check_free_space
 
-        check_free_space(out.parent, answers_bytes(tok, todo, max_new_tokens), f"the answers to {len(todo)} prompts")
+        check_free_space(out.parent, answers_bytes(tok, [(p, h, hist) for p, h, hist, _, _ in todo],
+                                                   max_new_tokens * max(len(t[3]) for t in todo)),
+                         f"the answers to {len(todo)} prompts")
     stop = stop_token_ids(tok)
     vllm = None
     if engine == "vllm" and todo:
         from ..engines.vllm.job import Engine
 
         vllm = Engine(target.local_dir, **(engine_options or {}))  # tensor_parallel_size, memory
+    markers = {}
     written = 0
     bar = tqdm(total=skipped + len(todo), initial=skipped, desc=f"regenerate ({engine})", disable=not progress)
     try:
-        for s in range(0, len(todo), batch_size):
-            chunk = todo[s:s + batch_size]
-            if vllm is not None:
-                ids = [encode_prompt(tok, msgs)[0].tolist() for _, _, msgs in chunk]
-                rows = [r for r, _ in vllm.generate(ids, max_tokens=max_new_tokens, stop_token_ids=stop)]
-            else:
-                rows = _answers_transformers(target.model, tok, [msgs for _, _, msgs in chunk], max_new_tokens, stop)
-            records = []
-            for (pid, h, msgs), row in zip(chunk, rows):
-                text = tok.decode(_until_stop(row, stop), skip_special_tokens=True).strip()
-                records.append({"id": pid, "hash": h, "messages": msgs + [{"role": "assistant", "content": text}]})
-            _append(out, records)
-            written += len(records)
-            bar.update(len(records))
+        for turn in range(max((len(t[3]) for t in todo), default=0)):  # every prompt's k-th answer, then the next
+            active = [t for t in todo if turn < len(t[3])]
+            for s in range(0, len(active), batch_size):
+                chunk = active[s:s + batch_size]
+                ids = [encode_prompt(tok, hist[:slots[turn]], tools=tools)[0].tolist() for _, _, hist, slots, tools in chunk]
+                seeds = [_seed(sampling, h, turn) for _, h, _, _, _ in chunk]
+                if vllm is not None:
+                    rows = [r for r, _ in vllm.generate(ids, max_tokens=max_new_tokens, stop_token_ids=stop,
+                                                        temperature=sampling.get("temperature", 0.0),
+                                                        top_p=sampling.get("top_p", 1.0), seeds=seeds if sampling else None)]
+                else:
+                    rows = _answers_transformers(target.model, tok, ids, max_new_tokens, stop, sampling, seeds)
+                records = []
+                for (pid, h, hist, slots, tools), row in zip(chunk, rows):
+                    key = json.dumps(tools, sort_keys=True) if tools else ""
+                    if key not in markers:
+                        markers[key] = reasoning_markers(tok, tools)
+                    hist[slots[turn]] = split_answer(_decode(tok, _until_stop(row, stop), markers[key]), markers[key])
+                    if turn == len(slots) - 1:
+                        records.append({"id": pid, "hash": h, "messages": hist,
+                                        **({"tools": tools} if tools else {})})
+                _append(out, records)
+                written += len(records)
+                bar.update(len(records))
     finally:
         bar.close()
     return {"written": written, "skipped": skipped, "total": skipped + len(todo)}
+
+
+def _seed(sampling: dict, key: str, turn: int) -> int:
+    """A sampled answer's own seed: the run's seed, its prompt and its turn (not its batch)."""
+    if not sampling:
+        return 0
+    digest = hashlib.sha256(f"{sampling['seed']}/{key}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def _decode(tok, row: list[int], markers) -> str:
+    """The answer's text; with reasoning markers, special tokens kept (a marker may be one)."""
+    return tok.decode(row, skip_special_tokens=markers is None)
 
 
 def bundle_answers(answers: str | os.PathLike, out: str | os.PathLike, prompts: list[tuple[object, list[dict]]]) -> int:
@@ -172,7 +308,19 @@ def bundle_answers(answers: str | os.PathLike, out: str | os.PathLike, prompts: 
     .gz (the same bytes on every rebuild). Every prompt must be answered. Returns the count."""
     from .prompt_set import write_prompts
 
-    want = {prompt_hash(prompt_messages(m)) for _, m in prompts}
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise ValueError(f"--bundle {out}: not a regular file; give a new file or a bundle regenerate wrote")
+    if out.exists():  # replaced only when it is a bundle of answers (what --bundle writes)
+        import gzip
+
+        raw = out.read_bytes()
+        try:
+            raw = gzip.decompress(raw) if out.name.endswith(".gz") else raw
+        except (OSError, EOFError):
+            raise ValueError(f"--bundle {out}: exists and is not a bundle of answers; pass another file") from None
+        answer_records(raw, f"--bundle {out}")
+    want = {prompt_key(m) for _, m in prompts}
     got = {}
     with open(answers, encoding="utf-8") as f:
         for line in f:
