@@ -370,8 +370,8 @@ def _add_doctor(sub) -> None:
     d.add_argument("--drafter", default=None, type=DRAFTER,
                    help="drafter directory or 'default' (without one, the checks that need no checkpoint run on "
                         "the target alone, before training)")
-    d.add_argument("--data", default=None, type=Checked(str, check=existing()),
-                   help="conversations to check the loss masks on")
+    d.add_argument("--data", default=None, type=Checked(str, check=existing(prefixes=("hf:",))),
+                   help="conversations to check the loss masks on (as train's --data)")
     d.add_argument("--show", type=Checked(int, min=1), default=0, metavar="N",
                    help="first print N records of --data as the chat template renders them, the tokens that carry "
                         "loss marked, and where reasoning, tool calls and tool results are")

@@ -114,12 +114,13 @@ def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                 parser.error(f"argument {'/'.join(action.option_strings) or action.dest}: {e}")
 
 
-def existing(kind: str | None = None, *, names: tuple[str, ...] = ()):
-    """A `check`: one of `names`, else a path that exists (`kind` "file" or "dir": one of that kind)."""
+def existing(kind: str | None = None, *, names: tuple[str, ...] = (), prefixes: tuple[str, ...] = ()):
+    """A `check`: one of `names` or a value with one of `prefixes` (checked where it is read), else a
+    path that exists (`kind` "file" or "dir": one of that kind)."""
     from pathlib import Path
 
     def check(value: str) -> None:
-        if value in names:
+        if value in names or value.startswith(prefixes or ("\0",)):
             return
         p = Path(value).expanduser()
         if not (p.is_file() if kind == "file" else p.is_dir() if kind == "dir" else p.exists()):

@@ -208,3 +208,37 @@ def test_parquet_with_pyarrow(tmp_path):
     pq.write_table(pa.Table.from_pylist([SHAREGPT, {"conversations": [{"from": "alien", "value": "x"}]}]), share)
     with pytest.raises(ValueError, match=r"share.parquet: row 1: .*'alien'"):
         load_conversations(share)
+
+
+def _records():
+    return [{"messages": [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}",
+                                                                "reasoning_content": f"r{k}"}]} for k in range(3)]
+
+
+def test_a_datasets_directory_and_a_local_hf_name_are_read_offline(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    datasets.Dataset.from_list(_records()).save_to_disk(str(tmp_path / "saved"))
+    convs, stats = load_conversations(str(tmp_path / "saved"))
+    assert stats.kept == 3 and convs[2][1] == {"role": "assistant", "content": "a2", "reasoning_content": "r2"}
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(_records()[:2])}).save_to_disk(str(tmp_path / "dict"))
+    assert len(load_conversations(str(tmp_path / "dict"))[0]) == 2
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(_records())}).save_to_disk(str(tmp_path / "nodict"))
+    with pytest.raises(ValueError, match="without a 'train' split"):
+        load_conversations(str(tmp_path / "nodict"))
+    (tmp_path / "repo").mkdir()  # a dataset by name that datasets resolves without the network
+    (tmp_path / "repo" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    convs, _ = load_conversations(f"hf:{tmp_path / 'repo'}")
+    assert [c[0]["content"] for c in convs] == ["q0", "q1", "q2"]
+
+
+def test_a_dataset_missing_from_the_local_cache_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-home"))
+    with pytest.raises(ValueError, match=r"hf:nobody/nothing: not in the local datasets cache") as e:
+        load_conversations("hf:nobody/nothing")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="not one datasets' save_to_disk wrote"):
+        (tmp_path / "plain").mkdir()
+        load_conversations(str(tmp_path / "plain"))

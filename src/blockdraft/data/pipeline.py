@@ -75,10 +75,11 @@ def default_data_file() -> Path:
 class DataOptions:
     """Which conversations a run trains and evaluates on, and how they are packed."""
 
-    data: str = opt("default", "conversations (JSONL, JSONL.gz, JSON, parquet) or 'default' (the bundled set)",
-                    check=existing(names=("default",)))
-    eval_data: str | None = opt(None, "held-out conversations (default: a split of --data)",
-                                check=existing(names=("default",)))
+    data: str = opt("default", "conversations: a JSONL, JSONL.gz, JSON or parquet file, a `datasets` directory "
+                               "(save_to_disk), hf:NAME[:CONFIG][:SPLIT] from the local datasets cache, or 'default' "
+                               "(the bundled set)", check=existing(names=("default",), prefixes=("hf:",)))
+    eval_data: str | None = opt(None, "held-out conversations, as --data (default: a split of --data)",
+                                check=existing(names=("default",), prefixes=("hf:",)))
     max_length: int = opt(1024, "packed row length in tokens", min=2)
     max_rows: int = opt(128, "train on at most this many packed rows (0: all; held-out rows are bounded to an "
                              "eighth of it); the default keeps a 2-core CPU run under 15 minutes")
@@ -111,7 +112,7 @@ def resolve_data(data: str) -> str:
         if not path.exists():
             raise ValueError("the bundled default dataset is missing from this installation; pass --data FILE")
         return str(path)
-    if not Path(data).exists():
+    if not data.startswith("hf:") and not Path(data).exists():
         raise ValueError(f"--data {data}: no such file")
     return data
 

@@ -1,4 +1,5 @@
-"""Conversation sources: JSONL / JSON / parquet files and in-memory datasets.
+"""Conversation sources: JSONL / JSON / parquet files, `datasets` datasets (a save_to_disk directory,
+hf:NAME[:CONFIG][:SPLIT] from the local cache, never the network) and in-memory datasets.
 
 Two record schemas are understood and normalised to one form, a list of
 ``{"role": "system" | "user" | "assistant", "content": str}`` dicts:
@@ -262,14 +263,60 @@ def _file(path: Path) -> Iterator[Located]:
     return reader(path)
 
 
-def _dataset(data: Iterable) -> Iterator[Located]:
+def _dataset(data: Iterable, name: str | None = None) -> Iterator[Located]:
     for i, rec in enumerate(data):
-        yield f"record {i}", rec, None
+        yield (f"{name}: record {i}" if name else f"record {i}"), rec, None
+
+
+def _datasets():
+    """The `datasets` library, never reaching the network (its offline switches set before import)."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("reading a `datasets` dataset needs the datasets library: pip install 'blockdraft[datasets]'"
+                         ) from None
+    return datasets
+
+
+def _hf(spec: str) -> Iterator[Located]:
+    """hf:NAME[:CONFIG][:SPLIT] from the local datasets cache (split default: train)."""
+    parts = spec[3:].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise ValueError(f"{spec}: expected hf:NAME[:CONFIG][:SPLIT]")
+    name, config, split = parts[0], (parts[1] or None) if len(parts) > 1 else None, parts[2] if len(parts) > 2 else "train"
+    ds = _datasets()
+    try:
+        data = ds.load_dataset(name, config, split=split)
+    except Exception as e:  # offline and not cached: ConnectionError, FileNotFoundError, DatasetNotFoundError...
+        raise ValueError(f"{spec}: not in the local datasets cache ({type(e).__name__}); load it once where the "
+                         "network is (datasets.load_dataset), or give a file") from None
+    return _dataset(data, spec)
+
+
+def _disk(path: Path) -> Iterator[Located]:
+    """A directory `datasets` saved (save_to_disk): a Dataset, or a DatasetDict's train split."""
+    ds = _datasets()
+    try:
+        data = ds.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"{path}: a directory, but not one datasets' save_to_disk wrote ({e})") from None
+    if isinstance(data, ds.DatasetDict):
+        if "train" not in data:
+            raise ValueError(f"{path}: a DatasetDict without a 'train' split (it has {sorted(data)}); save the "
+                             "split to train on alone")
+        data = data["train"]
+    return _dataset(data, str(path))
 
 
 def _source(path_or_dataset) -> tuple[str, Iterator[Located]]:
+    if isinstance(path_or_dataset, str) and path_or_dataset.startswith("hf:"):
+        return path_or_dataset, _hf(path_or_dataset)
     if isinstance(path_or_dataset, (str, os.PathLike)):
         path = Path(path_or_dataset).expanduser()
+        if path.is_dir():
+            return str(path), _disk(path)
         return str(path), _file(path)
     if isinstance(path_or_dataset, (dict, bytes)) or not isinstance(path_or_dataset, Iterable):
         raise ValueError(f"expected a file path or an iterable of records (e.g. a datasets.Dataset), "
