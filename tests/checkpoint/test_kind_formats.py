@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from blockdraft.checkpoint import load_drafter, save_drafter
 from blockdraft.checkpoint.formats import config_from_json
+from blockdraft.checkpoint.formats.zlab import SPECFORGE_DSPARK
 from blockdraft.checkpoint.native import convert, export_drafter
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
@@ -97,6 +98,10 @@ def test_a_kind_round_trips_through_each_format(tmp_path, case, to):
                                     "confidence_head_with_markov", "sample_from_anchor")} == {
             "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
             "enable_confidence_head": cfg.confidence_head, "confidence_head_with_markov": cfg.markov_rank > 0, "sample_from_anchor": False}
+        if to != "speculators":  # again inside dflash_config, where SpecForge 0.2.0 reads them
+            heads = "mha" if cfg.num_key_value_heads == cfg.num_attention_heads else "gqa"
+            assert {k: v for k, v in raw["dflash_config"].items() if k not in ("mask_token_id", "target_layer_ids")} \
+                == {**{k: top[k] for k in SPECFORGE_DSPARK}, "attention_mode": heads}
     else:
         assert {k: top[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
             "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
@@ -231,6 +236,27 @@ def test_a_speculators_file_whose_slot_0_predicts_is_refused(tmp_path, case):
     assert config_from_json(raw).kind == case  # absent there: speculators' DFlash and DFlash2 default to false
     with pytest.raises(ValueError, match="sample_from_anchor is true"):
         config_from_json({**raw, "sample_from_anchor": True})
+
+
+@pytest.mark.parametrize("case", ["dspark", "dspark-no-confidence", "dspark-no-heads"])
+def test_the_specforge_copy_of_the_dspark_fields_changes_nothing_blockdraft_reads(tmp_path, case):
+    """A native DSpark directory carries the head fields twice (top: vLLM, llama.cpp's converter and
+    blockdraft; dflash_config: SpecForge): without the copy, or with only blockdraft's key removed, it
+    reads as before; a copy that disagrees with the top is refused, naming both values."""
+    t = tiny_target("qwen3")
+    d = drafter(t, case)
+    raw, _ = files(save_drafter(d, tmp_path / "x"))
+    bare = {**raw, "dflash_config": {k: v for k, v in raw["dflash_config"].items()
+                                     if k in ("mask_token_id", "target_layer_ids")}}
+    assert config_from_json(raw) == config_from_json(bare) == d.config
+    foreign = [{k: v for k, v in c.items() if k != "blockdraft"} for c in (raw, bare)]
+    assert config_from_json(foreign[0]) == config_from_json(foreign[1])
+    for key, other in (("markov_rank", raw["markov_rank"] + 4), ("markov_head_type", "gated"),
+                       ("enable_confidence_head", not raw["enable_confidence_head"]),
+                       ("confidence_head_with_markov", not raw["confidence_head_with_markov"])):
+        changed = {**raw, "dflash_config": {**raw["dflash_config"], key: other}}
+        with pytest.raises(ValueError, match=rf"{key} is .* at the top of the config but .* in dflash_config"):
+            config_from_json(changed)
 
 
 @pytest.mark.parametrize("to", ["zlab", "speculators"])

@@ -13,7 +13,11 @@ Kinds: DFlash2 is `architectures: ["DFlash2DraftModel"]` with conv_kernel_size, 
 selector_rank and selector_top_k inside `dflash_config` (where z-lab's dflash, vLLM and llama.cpp's
 converter read them); DSpark is `["DSparkDraftModel"]` with markov_rank, markov_head_type,
 enable_confidence_head, confidence_head_with_markov and sample_from_anchor at the top (what
-llama.cpp's converter `DSparkModel` reads; it takes a missing sample_from_anchor for true).
+llama.cpp's converter `DSparkModel` and vLLM read; the converter takes a missing sample_from_anchor
+for true), and the head fields again inside `dflash_config`, where SpecForge 0.2.0's
+DSparkDraftModel reads them (`SPECFORGE_DSPARK`; it reads nothing at the top, and without them builds
+neither head and drops their weights). Reading takes the top-level fields and refuses a config whose
+two copies disagree.
 """
 
 from __future__ import annotations
@@ -44,6 +48,29 @@ def kind_of(d: dict) -> str:
     return "dflash"
 
 
+# The DSpark fields SpecForge 0.2.0 reads from `dflash_config` (modeling/draft/dspark.py): the head
+# fields under the names and values speculators uses at the top, plus `attention_mode`, which its
+# DSparkDraftModel checks against the head counts ("gqa" unless asked: "mha" must be said).
+SPECFORGE_DSPARK = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+
+def specforge_dspark_fields(cfg: DrafterConfig) -> dict:
+    top = dspark_fields(cfg)
+    mode = "mha" if cfg.num_key_value_heads == cfg.num_attention_heads else "gqa"
+    return {**{k: top[k] for k in SPECFORGE_DSPARK}, "attention_mode": mode}
+
+
+def _same_dspark_fields(d: dict) -> None:
+    """Refuse a DSpark config whose `dflash_config` copy of a head field (SpecForge's) differs from the
+    top-level one (what vLLM, llama.cpp's converter and blockdraft read)."""
+    dc = d.get("dflash_config") or {}
+    for key in SPECFORGE_DSPARK:
+        if key in dc and key in d and dc[key] != d[key]:
+            raise ValueError(f"{key} is {d[key]!r} at the top of the config but {dc[key]!r} in dflash_config "
+                             "(where SpecForge reads it): the readers would build different drafters; "
+                             "re-export the drafter")
+
+
 def _causality(cfg: DrafterConfig) -> dict:
     """One `is_causal` for all layers; absent = sliding layers causal, full ones not (ours exactly)."""
     if cfg.has_sliding and not cfg.sliding_causal_in_block:
@@ -59,6 +86,7 @@ def write_config(cfg: DrafterConfig, ex: Export) -> dict:
          "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers, "dflash_config": dc}
     if cfg.kind == "dspark":
         d.update(dspark_fields(cfg))
+        dc.update(specforge_dspark_fields(cfg))
     if cfg.draft_vocab_size:
         d["draft_vocab_size"] = cfg.draft_vocab_size
     d[OWN_KEY] = own_fields(cfg)
@@ -96,6 +124,8 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
     # llama.cpp's converter takes a z-lab DSpark config without sample_from_anchor for true
     kind_kw = (read_dspark(d, True, "llama.cpp's converter") if kind == "dspark"
                else read_dflash2({**d, **dc}) if kind == "dflash2" else {"kind": "dflash"})
+    if kind == "dspark":
+        _same_dspark_fields(d)
     # A directory from z-lab's own tools was trained for its readers' rule: the query window.
     own = agree_kind(read_own(d, {"target_hidden_size": kw["hidden_size"], "sliding_window_rule": WINDOW_QUERY,
                                   "sliding_causal_in_block": read_causal(d, layer_types), **kind_kw}),
