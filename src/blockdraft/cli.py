@@ -55,9 +55,9 @@ def cmd_regenerate(args) -> int:
                      engine_options={"tensor_parallel_size": args.tensor_parallel_size, "memory": args.engine_memory})
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
     if args.bundle:
-        from .data.regenerate import bundle_answers
+        from .data.regenerate import bundle_answers, sampling_of
 
-        n = bundle_answers(args.out, args.bundle, prompts)
+        n = bundle_answers(args.out, args.bundle, prompts, sampling_of(args.temperature, args.top_p, args.seed))
         print(f"bundled {n} conversations in prompt-hash order -> {args.bundle}")
     return 0
 

@@ -328,3 +328,14 @@ def test_bundle_replaces_only_a_bundle(tmp_path, tok):
     assert other.read_text() == "precious\n"
     assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts) == 1
     assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts) == 1  # its own bundle: replaced
+
+
+def test_sampled_answers_bundle_with_their_settings(tmp_path, tok):
+    from blockdraft.data.regenerate import bundle_answers, sampling_of
+
+    target = tiny_pair(tok)
+    prompts = [(0, user("Hi.")), (1, user("Bye."))]
+    regenerate(target, prompts, tmp_path / "a.jsonl", max_new_tokens=3, progress=False, temperature=0.8, seed=4)
+    with pytest.raises(ValueError, match="no answer yet"):  # greedy answers were never written
+        bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts)
+    assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts, sampling_of(0.8, 1.0, 4)) == 2

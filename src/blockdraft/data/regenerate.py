@@ -208,12 +208,17 @@ def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.P
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
-    sampling = {"temperature": float(temperature), "top_p": float(top_p), "seed": int(seed)} if temperature > 0 else {}
+    sampling = sampling_of(temperature, top_p, seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with locked(out, "regenerate", lead=True):
         return _answer(target, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size, engine=engine,
                        progress=progress, engine_options=engine_options, sampling=sampling)
+
+
+def sampling_of(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
+    """The sampling settings an answer is keyed with (none for greedy)."""
+    return {"temperature": float(temperature), "top_p": float(top_p), "seed": int(seed)} if temperature > 0 else {}
 
 
 def _settings(sampling: dict) -> dict:
@@ -302,10 +307,12 @@ def _decode(tok, row: list[int], markers) -> str:
     return tok.decode(row, skip_special_tokens=markers is None)
 
 
-def bundle_answers(answers: str | os.PathLike, out: str | os.PathLike, prompts: list[tuple[object, list[dict]]]) -> int:
+def bundle_answers(answers: str | os.PathLike, out: str | os.PathLike, prompts: list[tuple[object, list[dict]]],
+                   sampling: dict | None = None) -> int:
     """Write the answers to `prompts` (and nothing else `answers` may hold) ordered by prompt hash, so
     the file does not depend on the order they were written in; gzip with a fixed timestamp for
-    .gz (the same bytes on every rebuild). Every prompt must be answered. Returns the count."""
+    .gz (the same bytes on every rebuild). Every prompt must be answered, with the settings
+    `sampling` (`sampling_of`) they were written with. Returns the count."""
     from .prompt_set import write_prompts
 
     out = Path(out)
@@ -320,7 +327,8 @@ def bundle_answers(answers: str | os.PathLike, out: str | os.PathLike, prompts: 
         except (OSError, EOFError):
             raise ValueError(f"--bundle {out}: exists and is not a bundle of answers; pass another file") from None
         answer_records(raw, f"--bundle {out}")
-    want = {prompt_key(m) for _, m in prompts}
+    settings = _settings(sampling or {})
+    want = {prompt_key(m, settings) for _, m in prompts}
     got = {}
     with open(answers, encoding="utf-8") as f:
         for line in f:
