@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The consumers' reference suite: speculators, z-lab's dflash, vLLM and llama.cpp load blockdraft's files as
-# written and compute the same function (see reference/README.md). Run after the main suite, which
+# The consumers' reference suite: speculators, z-lab's dflash, SpecForge, vLLM and llama.cpp load blockdraft's
+# files as written and compute the same function (see reference/README.md). Run after the main suite, which
 # converts the SmolLM2 target into the local cache the reference environments read.
 #   MAIN_PYTHON   the project's interpreter (default .venv/bin/python), used to fill the cache
 #   REFERENCE_RESULTS  where the vLLM figures are written (default runs/reference-vllm.json)
@@ -21,6 +21,7 @@ BASE="${TMPDIR:-/tmp}/blockdraft-reference-$$"
 mkdir -p "$BASE"
 .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/spec" -rs \
   reference/test_dflash.py reference/test_speculators.py
+.venv-ref-sf/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/specforge" -rs reference/test_specforge.py
 .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
   reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_capture.py
 BLOCKDRAFT_LLAMA_SERVER="$ROOT/.venv-ref-llama/bin/llama-server" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \
