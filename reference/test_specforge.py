@@ -278,9 +278,10 @@ def grads(model):
 @pytest.mark.parametrize("case", ["full-2layers", "sliding-causal"])
 def test_specforge_dflash_loss_is_our_hard_loss_on_greedy_data(tmp_path, case):
     """OnlineDFlashModel's loss (cross-entropy on the data token, weights exp(-(k-1)/gamma) from slot 1,
-    over the sum of the weights), its accuracy and every weight's gradient are ours (`loss="hard"`) on the
-    same anchors when the data is the target's greedy output; on other data they are ours with the
-    data's tokens in place of the target's argmax (DFlash is trained on the data's tokens)."""
+    over the sum of the weights) and every weight's gradient are ours (`loss="hard"`) on the same anchors
+    when the data is the target's greedy output (its accuracy too, though a random drafter's is 0 in
+    both); on other data its loss is ours with the data's tokens in place of the target's argmax (DFlash
+    is trained on the data's tokens)."""
     target = tiny_target()
     ours = written(target, CASES[case], tmp_path / "d")
     theirs = load_specforge(tmp_path / "d")
@@ -362,7 +363,7 @@ def test_specforge_dspark_loss_shares_our_terms_and_trains_slot_k_for_a_plus_k_p
 
     # its own training forward: slot k learns the token at a + k + 1
     with torch.no_grad():
-        own, _, metrics = t(ids, feats, mask, target_last_hidden_states=final)
+        own, _, _ = t(ids, feats, mask, target_last_hidden_states=final)
         shifted, _ = their_dspark_terms(t, ids, feats, final, anchors, shift=1)
         torch.testing.assert_close(own, shifted, rtol=1e-6, atol=1e-6)
         rows = torch.stack([our_rows(target, ours, ids, a) for a in anchors])  # [N, B, H], all slots
