@@ -70,6 +70,23 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
+def replace_text(path: str | os.PathLike, text: str) -> None:
+    """Write `path` whole or not at all: a temporary beside it (never through a link), synced, then
+    renamed over it; a crash or a full disk midway leaves the old file, never a half-written one."""
+    path = Path(path)
+    remove_leftovers(path)
+    tmp = temp_path(path)
+    try:
+        with open_private(tmp, "x") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def temp_path(final: str | os.PathLike, kind: str = "tmp") -> Path:
     """This process's temporary for `final` (kind tmp: being written; old: being swapped out)."""
     final = Path(os.path.abspath(final))

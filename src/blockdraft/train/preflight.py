@@ -8,7 +8,6 @@ error naming it, before the target loads.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -21,9 +20,6 @@ RESUMABLE = {
     "data": {"skip_bad_lines", "memo_features", "max_eval_rows"},
     "drafter": set(),
 }
-# a run's length may grow on --resume (a finished run continued further: the GPU check does), with a
-# warning: the cosine schedule after the checkpoint then follows the new length
-LENGTH = {"steps", "epochs"}
 
 
 def preflight(cfg) -> None:
@@ -83,26 +79,27 @@ def target_vocab(name: str) -> int | None:
 def check_resumed_settings(cfg) -> None:
     """--resume continues the run in --out exactly: a setting that would change what it computes
     (the learning rate, the schedule, the data, the drafter) must equal the one it started with,
-    as its train_config.json records it."""
-    from .rundir import CONFIG_FILE
+    as its train_config.json records it (or, that file lost, the copy its checkpoint keeps)."""
+    from .rundir import CONFIG_FILE, LENGTH, saved_settings
+    from .state import find_checkpoint
 
-    path = Path(cfg.train.out) / CONFIG_FILE
-    if not cfg.train.resume or not path.exists():
-        return
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        print(f"train: {path} is unreadable; the resumed run's settings are not compared with the first run's")
-        return
+    out = Path(cfg.train.out)
+    if not cfg.train.resume or find_checkpoint(out / "checkpoint") is None and not (out / CONFIG_FILE).exists():
+        return  # nothing to continue: check_resume says so
+    saved, recovered = saved_settings(out)
+    lead = os.environ.get("RANK", "0") == "0"
+    if recovered and lead:
+        print(f"blockdraft train: warning: {recovered}; --resume rewrites it from them", file=sys.stderr)
     now, changed, grown = cfg.to_dict(), [], []
     for part, values in saved.items():
-        for key, was in (values or {}).items() if isinstance(values, dict) else ():
+        for key, was in values.items():
             if key in now.get(part, {}) and key not in RESUMABLE.get(part, set()) and now[part][key] != was:
                 (grown if part == "train" and key in LENGTH else changed).append(
                     f"--{key.replace('_', '-')} {was} (now {now[part][key]})")
-    if grown and not changed and os.environ.get("RANK", "0") == "0":
+    if grown and not changed and lead:
         print(f"blockdraft train: warning: --resume with another run length, {', '.join(grown)}: the learning rate "
               "after the checkpoint follows the new length's schedule", file=sys.stderr)
     if changed:
-        raise ValueError(f"--resume: this run was started with {', '.join(changed)}; resume it with its own settings "
-                         f"(blockdraft train --config {path} --resume) or start a new --out")
+        replay = "" if recovered else f" (blockdraft train --config {out / CONFIG_FILE} --resume)"
+        raise ValueError(f"--resume: this run was started with {', '.join(changed)}; resume it with its own settings"
+                         f"{replay} or start a new --out")

@@ -81,6 +81,17 @@ def check_resume(out: str | Path, resume: bool) -> None:
                          "a new run there (with --overwrite where an earlier one is)")
 
 
+def check_resumed_state(out: Path) -> None:
+    """The checkpoint's record and the metrics a resume reads, read now rather than after the target
+    loaded: one line naming a damaged file (a torn last metrics line is repaired, and said, later)."""
+    from .rundir import METRICS, metrics_lines
+    from .state import find_checkpoint, read_meta
+
+    read_meta(find_checkpoint(out / "checkpoint") or out / "checkpoint")
+    if (out / METRICS).is_file():
+        metrics_lines(out / METRICS, say=False)
+
+
 def cached_rows(opts: DataOptions, target, seed: int):
     """Rows and stored outputs from a `blockdraft extract` directory, split by row for held-out eval."""
     from ..data.features import CacheView, DiskFeatures, cache_identity
@@ -165,10 +176,8 @@ def run_training(cfg: RunConfig) -> dict:
         check_online(cfg)
     check_resume(tc.out, tc.resume)
     preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
-    if tc.resume:  # the checkpoint's record read now, not after the target loaded (train.state)
-        from .state import find_checkpoint, read_meta
-
-        read_meta(find_checkpoint(Path(tc.out) / "checkpoint") or Path(tc.out) / "checkpoint")
+    if tc.resume:
+        check_resumed_state(Path(tc.out))
     with claim_run(tc.out, resume=tc.resume, overwrite=tc.overwrite):
         return _train(cfg, tc)
 

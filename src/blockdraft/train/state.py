@@ -23,10 +23,13 @@ STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 
 def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, drafter_state: dict | None = None,
-               optimizer_state: dict | None = None, need_bytes: int = 0, owner: str = "train") -> Path:
+               optimizer_state: dict | None = None, need_bytes: int = 0, owner: str = "train",
+               settings: dict | None = None) -> Path:
     """`drafter_state`/`optimizer_state`: full states gathered from a sharded run (else taken from
     the objects). `need_bytes`: free space checked before anything is written. `owner`: the
-    command whose marker the directory carries (only such a directory is replaced)."""
+    command whose marker the directory carries (only such a directory is replaced). `settings`: the
+    run's recorded settings (train_config.json's), kept with the state so a resume can still compare
+    against them when that file is lost."""
     sd = drafter.state_dict() if drafter_state is None else drafter_state
     tensors: dict[str, torch.Tensor] = {f"drafter.{k}": _host_copy(v) for k, v in sd.items()}
     tensors["drafter_feature_scale"] = _host_copy(drafter.feature_scale)
@@ -38,7 +41,7 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, dra
             tensors[f"opt.{idx}.{name}"] = _host_copy(t)
     tensors["rng.torch"] = torch.get_rng_state()
     meta = {"progress": progress, "param_groups": opt["param_groups"],
-            "drafter_config": drafter.config.to_dict()}
+            "drafter_config": drafter.config.to_dict(), **({"settings": settings} if settings else {})}
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / STATE_TENSORS))
@@ -54,13 +57,39 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
+def read_meta(directory: str | Path) -> dict:
+    """The checkpoint's trainer_state.json, checked to hold what a resume reads: one line naming the
+    file otherwise (a file cut short, emptied or edited)."""
+    path = Path(directory) / STATE_JSON
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the checkpoint's {path} is damaged or unreadable ({e}); start a new --out, or restore "
+                         "it") from None
+    progress = meta.get("progress") if isinstance(meta, dict) else None
+    problems = [name for name, ok in (
+        ("progress", isinstance(progress, dict) and isinstance(progress.get("step"), int)),
+        ("param_groups", isinstance(meta, dict) and isinstance(meta.get("param_groups"), list)),
+        ("drafter_config", isinstance(meta, dict) and isinstance(meta.get("drafter_config"), dict))) if not ok]
+    if problems:
+        raise ValueError(f"the checkpoint's {path} is damaged: it lacks {', '.join(problems)}; start a new --out, "
+                         "or restore it")
+    return meta
+
+
+def find_checkpoint(directory: str | Path) -> Path | None:
+    """The last complete checkpoint directory (one a killed swap moved aside taken back), or None."""
+    path = recover_dir(directory, "train")
+    return path if path is not None and (path / STATE_JSON).exists() else None
+
+
 def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
     """Restore into existing objects; returns the saved progress dict."""
-    path = recover_dir(directory, "train")
-    if path is None or not (path / STATE_JSON).exists():
+    path = find_checkpoint(directory)
+    if path is None:
         raise ValueError(f"no checkpoint to resume from in {directory}")
+    meta = read_meta(path)
     try:
-        meta = json.loads((path / STATE_JSON).read_text())
         tensors = load_file(str(path / STATE_TENSORS))
     except (OSError, ValueError, SafetensorError) as e:
         raise ValueError(f"the checkpoint in {path} is damaged ({e}); start a new --out, or restore it") from None
@@ -71,6 +100,15 @@ def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
         diff = sorted(k for k in set(saved_cfg) | set(now) if saved_cfg.get(k) != now.get(k))
         raise ValueError(f"the checkpoint in {path} was trained with other drafter settings ({diff}); "
                          "resume with the same flags or start a new --out")
+    try:
+        _restore(tensors, meta, drafter, optimizer)
+    except (KeyError, RuntimeError, ValueError, IndexError) as e:
+        raise ValueError(f"the checkpoint in {path} does not fit this run's drafter and optimizer "
+                         f"({' '.join(str(e).split())[:200]}); start a new --out, or restore it") from None
+    return meta["progress"]
+
+
+def _restore(tensors: dict, meta: dict, drafter, optimizer) -> None:
     drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
     drafter.feature_scale.copy_(tensors["drafter_feature_scale"])
     state: dict[int, dict] = {}
@@ -80,4 +118,3 @@ def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
             state.setdefault(int(idx), {})[name] = val
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
-    return meta["progress"]

@@ -7,7 +7,6 @@ Legend: R packed rows of L tokens each; a batch takes `rows_per_batch` rows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from .distributed import (all_gather_floats, all_reduce_mean, average_gradients,
 from .cadence import Cadence, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
 from .options import TrainConfig
-from .rundir import CONFIG_FILE, append_metrics, truncate_metrics
+from .rundir import append_metrics, resumed_record, saved_settings, truncate_metrics, write_record
 from .state import load_state, save_state
 from .step import compute_loss, plan_host
 
@@ -74,7 +73,8 @@ class Trainer:
         outputs (FeatureMemo, DiskFeatures); without them the target runs in the loop. `keep_function`:
         the drafter is already trained, so rescaling its features must leave its outputs unchanged."""
         cfg.validate()
-        self.run_config = run_config  # what train_config.json records (a RunConfig's dict; default: cfg)
+        # what train_config.json records (a RunConfig's dict; default: cfg); a resumed run keeps its own
+        self.record = run_config or {"train": dataclasses.asdict(cfg)}
         self.train_features, self.eval_features = train_features, eval_features
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.train_rows, self.eval_rows = train_rows, eval_rows
@@ -291,7 +291,7 @@ class Trainer:
         step = self.progress["step"]
         try:  # a swap holds the old checkpoint until the new one is complete: room for two
             save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress,
-                       need_bytes=2 * self.checkpoint_bytes(), **states)
+                       need_bytes=2 * self.checkpoint_bytes(), settings=self.record, **states)
         except (OSError, ValueError) as e:
             kept = self.saved_step
             raise ValueError(f"could not write the checkpoint of step {step} in {self.ckpt_dir} "
@@ -311,7 +311,7 @@ class Trainer:
 
     def log(self, record: dict) -> None:
         if self.rank == 0:
-            append_metrics(self.out, record)  # never through a link (train.rundir)
+            append_metrics(self.out, record, kept=self.saved_step)  # never through a link (train.rundir)
 
     # ---------------------------------------------------------------------- loop
     def step(self) -> dict:
@@ -415,9 +415,10 @@ class Trainer:
         check_same(list(self.drafter.parameters()), "initial drafters")
         if self.fsdp:
             self._shard()
-        if lead:
-            saved = self.run_config or {"train": dataclasses.asdict(self.cfg)}
-            write_text(self.out / CONFIG_FILE, json.dumps(saved, indent=1))
+        if lead:  # whole or not at all; a resumed run records its own settings, not this command's
+            if resume:
+                self.record = resumed_record(saved_settings(self.out)[0], self.record)
+            write_record(self.out, self.record)
 
     def _finish(self, lead: bool) -> None:
         """After the last step: the helper threads stopped, the final drafter written (rank 0)."""
