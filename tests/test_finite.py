@@ -177,3 +177,43 @@ def test_train_config_floats_must_be_finite():
     for bad in (dict(lr=math.nan), dict(warmup=math.inf), dict(grad_clip=math.nan), dict(min_lr_ratio=math.nan)):
         with pytest.raises(ValueError, match="must be a finite number"):
             TrainConfig(**bad).validate()
+
+
+LOADED_KINDS = {"dflash": {}, "dspark": dict(kind="dspark", markov_rank=8),
+                "dflash2": dict(kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4)}
+
+
+@pytest.mark.parametrize("kind", list(LOADED_KINDS))
+def test_every_command_refuses_a_loaded_drafter_with_an_inf_naming_file_and_tensor(tmp_path, kind, capsys,
+                                                                                   tiny_target_dir, chat_data):
+    """Every command that loads a drafter (generate, bench, doctor --drafter, train --init-drafter,
+    convert) checks it once, in the loader: an Inf drafts nothing and gave tau 1.00 with exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from blockdraft.checkpoint.native import save_drafter
+    from blockdraft.cli import main
+    from blockdraft.target import TargetModel
+
+    t = TargetModel.from_pretrained(tiny_target_dir, device="cpu")
+    torch.manual_seed(0)
+    path = save_drafter(DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, **LOADED_KINDS[kind])),
+                        tmp_path / "d")
+    weights = path / "model.safetensors"
+    sd = load_file(str(weights))
+    name = sorted(k for k, v in sd.items() if v.is_floating_point())[-1]
+    sd[name].view(-1)[0] = math.inf
+    save_file(sd, str(weights))
+    where = f"{weights}: non-finite values in {name} (1 Inf of {sd[name].numel()})"
+    common = ["--target", tiny_target_dir, "--threads", "1"]
+    capsys.readouterr()
+    for argv in (["generate", "hi", "--drafter", str(path), "--max-new-tokens", "4", *common],
+                 ["bench", "--drafter", str(path), "--sets", "gsm8k", "--n", "1", "--max-new-tokens", "4", *common],
+                 ["train", "--init-drafter", str(path), "--data", chat_data, "--steps", "1", "--max-length", "128",
+                  "--out", str(tmp_path / "run"), *common],
+                 ["convert", "--to", "zlab", str(path), str(tmp_path / "zlab")]):
+        assert main(argv) == 2, argv
+        err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in ln]
+        assert len(err) == 1 and where in err[0], (argv, err)  # progress bars aside: one line
+    assert main(["doctor", "--drafter", str(path), *common]) == 1
+    assert where in capsys.readouterr().out
+    assert not (tmp_path / "run").exists() and not (tmp_path / "zlab").exists()

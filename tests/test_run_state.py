@@ -117,3 +117,18 @@ def test_a_run_with_no_checkpoint_yet_is_not_told_to_resume(run, capsys):
     assert "pass --resume" not in line
     one_line_error(capsys, argv, "no checkpoint", "drop --resume")
     assert main([*fresh, "--overwrite"]) == 0
+
+
+def test_a_checkpoint_with_an_inf_is_refused_naming_the_file_and_tensor(run, capsys):
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    out, argv = run
+    path = out / "checkpoint" / "trainer_state.safetensors"
+    tensors = load_file(str(path))
+    tensors["drafter.norm.weight"][0] = math.inf
+    save_file(tensors, str(path))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{path}: non-finite values in drafter.norm.weight (1 Inf of" in err, err

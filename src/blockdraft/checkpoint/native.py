@@ -112,7 +112,10 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dty
     path = resolve_drafter(dir_or_name)
     _, cfg = read_config(path, num_target_layers)
     drafter = DFlashDrafter(cfg, initialize=False)  # every weight is loaded below (missing ones refused)
-    sd = formats.native_weights(read_weights(path), cfg)
+    raw = read_weights(path)
+    # every command and kind loads through here: a drafter with a NaN or Inf drafts nothing, silently
+    require_finite(raw, str(path / WEIGHTS), "copy it again, or re-train it")
+    sd = formats.native_weights(raw, cfg)
     expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb")}
     missing, unknown = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unknown:

@@ -93,6 +93,8 @@ def load_state(directory: str | Path, *, drafter, optimizer) -> dict:
         tensors = load_file(str(path / STATE_TENSORS))
     except (OSError, ValueError, SafetensorError) as e:
         raise ValueError(f"the checkpoint in {path} is damaged ({e}); start a new --out, or restore it") from None
+    require_finite({k: v for k, v in tensors.items() if k.startswith("drafter")}, str(path / STATE_TENSORS),
+                   "start a new --out, or restore it")
     # written before the window rule was a field (and with the dead `extra`): the anchor rule
     saved_cfg = {"sliding_window_rule": "anchor", **{k: v for k, v in meta["drafter_config"].items() if k != "extra"}}
     now = drafter.config.to_dict()
