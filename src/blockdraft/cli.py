@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -472,9 +473,92 @@ LATENCY_COMMANDS = ("generate", "bench")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C at any point after it starts (the imports of torch and transformers
+    take seconds) is one line and exit code 130, also where a library caught the interrupt midway
+    through an import and failed later on the half-imported module."""
+    seen: dict = {}
+    with _interrupts() as interrupted:
+        try:
+            return _main(argv, seen, interrupted)
+        except BaseException as e:
+            if not (interrupted or isinstance(e, KeyboardInterrupt)):
+                raise
+            interrupted.append("handled")
+            args = seen.get("args")
+            cmd = f" {args.cmd}" if getattr(args, "cmd", None) else ""
+            print(f"blockdraft{cmd}: interrupted; {_rerun_hint(args)}", file=sys.stderr)
+            return 130
+
+
+@contextlib.contextmanager
+def _interrupts():
+    """A list that gets an entry when SIGINT arrives, where Python's own handler is the one in place
+    (a caller's own handler is left alone). The interrupt raises KeyboardInterrupt, but never inside
+    a module being imported: raised there, torch's native initialisation aborts the process, numpy is
+    left half-imported, and importlib's lock callbacks drop it ("Exception ignored in"). It is
+    delivered again every 50 ms until no import runs. Once the list holds "handled" (main is
+    reporting it), interrupts are ignored."""
+    import _thread
+    import signal
+    import threading
+
+    got: list = []
+    later: list = []
+
+    def note(signum, frame):
+        if "handled" in got:
+            return
+        got.append(signum)
+        if _importing(frame):
+            later.append(threading.Timer(0.05, _thread.interrupt_main))
+            later[-1].start()
+            return
+        raise KeyboardInterrupt
+
+    try:
+        mine = signal.getsignal(signal.SIGINT) is signal.default_int_handler and bool(signal.signal(signal.SIGINT, note))
+    except ValueError:  # not the main thread
+        mine = False
+    try:
+        yield got
+    finally:
+        got.append("handled")
+        for t in later:
+            t.cancel()
+        if mine:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _importing(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _rerun_hint(args) -> str:
+    """What continues an interrupted command: --resume for a run that saved a checkpoint."""
+    if getattr(args, "cmd", None) != "train" or not getattr(args, "fn", None):
+        return "rerun the same command to continue" if getattr(args, "cmd", None) else "nothing was done"
+    try:
+        from pathlib import Path
+
+        from .train.state import find_checkpoint
+
+        out = Path(train_config(args, getattr(args, "argv", [])).train.out)
+        saved = find_checkpoint(out / "checkpoint") is not None
+    except (ValueError, OSError, AttributeError):
+        saved = False
+    if saved:
+        return "rerun the same command with --resume to continue from the last checkpoint"
+    return "no checkpoint was saved yet: rerun the same command (with --overwrite where it says a run is there)"
+
+
+def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args = seen["args"] = parser.parse_args(argv)
     if getattr(args, "cmd", None):  # the paths and devices the flags name, before any work
         check_parsed(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd],
                      args)
@@ -490,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import SafetensorError
 
     from .engines.vllm.job import EngineFailed
+
+    if interrupted:  # an interrupt during the imports that a library caught and went on from
+        raise KeyboardInterrupt
 
     try:
         if hasattr(args, "chat_template"):
@@ -507,10 +594,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"blockdraft {args.cmd}: error: {one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"blockdraft {args.cmd}: interrupted; rerun the same command (with --resume for train) to continue",
-              file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":
