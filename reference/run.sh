@@ -20,8 +20,7 @@ mkdir -p "$(dirname "$REFERENCE_RESULTS")"
 BASE="${TMPDIR:-/tmp}/blockdraft-reference-$$"
 mkdir -p "$BASE"
 .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/spec" -rs \
-  reference/test_dflash.py reference/test_speculators.py
-.venv-ref-sf/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/specforge" -rs reference/test_specforge.py
+  reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py
 .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
   reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_capture.py
 BLOCKDRAFT_LLAMA_SERVER="$ROOT/.venv-ref-llama/bin/llama-server" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \

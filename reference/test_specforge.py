@@ -8,7 +8,8 @@ its training mask makes sliding layers causal and leaves the block unwindowed; D
 tokens; DSpark's training shifts the slots by one against its own drafting (DESIGN.md section 2).
 
 SpecForge runs on its sdpa path (dense boolean masks), never flex attention: nothing is compiled.
-Run in `.venv-ref-sf`: `reference/run.sh` (PYTHONPATH=src).
+Run in `.venv-ref-spec`, where `reference/setup.sh` adds SpecForge with --no-deps: `reference/run.sh`
+(PYTHONPATH=src).
 """
 
 from __future__ import annotations
