@@ -341,6 +341,7 @@ def test_sampled_answers_bundle_with_their_settings(tmp_path, tok):
     assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts, sampling_of(0.8, 1.0, 4)) == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is a CPU's")
 def test_sampling_through_vllm_on_a_cpu_is_refused_before_any_work(tmp_path, tok):
     out = tmp_path / "a.jsonl"
     with pytest.raises(ValueError, match="only on a GPU"):
