@@ -237,12 +237,19 @@ class DiskFeatures:
 
     prefetch = True  # reads are disk-bound: the trainer reads a micro-batch ahead (data.prefetch)
 
-    def __init__(self, directory: str | os.PathLike, *, expect: dict | None = None):
+    def __init__(self, directory: str | os.PathLike, *, expect: dict | None = None, rows: bool = True):
+        """`rows` False: only the manifest and every shard's header are checked (before anything loads)."""
         self.dir = Path(directory)
         mpath = self.dir / MANIFEST
         if not mpath.exists():
             raise ValueError(f"{self.dir} is not a feature cache (no {MANIFEST}); make one with `blockdraft extract`")
-        self.manifest = json.loads(mpath.read_text())
+        try:
+            self.manifest = json.loads(mpath.read_text())
+            if not all(isinstance(s, str) for s in self.manifest["shards"]):
+                raise TypeError("shards must be file names")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{mpath} is damaged ({type(e).__name__}: {e}); rerun `blockdraft extract` into a new "
+                             "directory") from None
         if expect is not None:
             bad = {k: (self.manifest.get(k), v) for k, v in expect.items()
                    if k != "dtype" and self.manifest.get(k) != v}
@@ -258,6 +265,17 @@ class DiskFeatures:
         # are ~170 MB per 4k-token row in bf16: a real cache does not fit in RAM)
         self._paths = [str(self.dir / s) for s in self.manifest["shards"]]
         self._handles: dict[int, object] = {}
+        for k in range(len(self._paths)):
+            try:
+                self._check_shard(k, self._open(k))
+            except ValueError:
+                raise
+            except Exception as e:
+                raise damaged(self._paths[k], e) from None
+        if rows:
+            self._read_rows()
+
+    def _read_rows(self) -> None:
         parts, sizes = {k: [] for k in ROW_KEYS}, []
         for k in range(len(self._paths)):
             fh = self._open(k)
@@ -271,6 +289,23 @@ class DiskFeatures:
         self._starts = [0]
         for n in sizes:
             self._starts.append(self._starts[-1] + n)
+
+    def _check_shard(self, k: int, fh) -> None:
+        """Shard k holds what the manifest says, from its header alone: its rows of max_length tokens,
+        features of the manifest's layers and width (a shard copied from another cache is refused
+        here, not as a torch.cat error after the target loaded)."""
+        m = self.manifest
+        L, H, R, per = m.get("max_length"), m.get("hidden_size"), m.get("rows"), m.get("shard_rows")
+        n = min(R, (k + 1) * per) - k * per if isinstance(R, int) and isinstance(per, int) else None
+        want = {key: [n, L] for key in ROW_KEYS}
+        want.update(features=[n, L, len(m.get("layer_ids") or []) * (H or 0) or None], final_hidden=[n, L, H])
+        for key, shape in want.items():
+            got = list(fh.get_slice(key).get_shape())
+            if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+                raise ValueError(f"feature cache shard {self._paths[k]} holds {key} of shape {got}, but the cache's "
+                                 f"{MANIFEST} says {[w if w is not None else '*' for w in shape]} (max_length {L}): "
+                                 "a shard of another extract; delete it and rerun `blockdraft extract` with the same "
+                                 "arguments (it rewrites only the missing shards)")
 
     def _open(self, k: int):
         if k not in self._handles:
