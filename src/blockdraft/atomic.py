@@ -29,7 +29,11 @@ def check_free_space(path: str | os.PathLike, need_bytes: int, what: str) -> Non
 
 
 def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """A size people read: 1.5 GiB, 2.7 MiB, 12.0 KiB, 1000 bytes (never "0.0 MiB" for a small one)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None], *, owned: Iterable[str] | None = None,

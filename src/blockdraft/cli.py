@@ -100,14 +100,15 @@ def train_config(args, argv: list[str] | None = None):
     from .train.run import RunConfig
 
     parts = {name: from_args(type(getattr(RunConfig(), name)), args) for name in RunConfig.PARTS}
+    given = frozenset(explicit_flags(_train_parser(), list(argv or [])))
     if not getattr(args, "config", None):
-        return RunConfig(**parts)
+        return RunConfig(**parts, given=given)
     base = RunConfig.from_json(args.config)
-    given = explicit_flags(_train_parser(), list(argv or []))
     for name in RunConfig.PARTS:
         part = getattr(base, name)
         chosen = {f: getattr(parts[name], f) for f in vars(part) if f in given}
         setattr(base, name, replace_from(part, chosen))
+    base.given, base.source = given, args.config
     return base
 
 

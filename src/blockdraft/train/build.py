@@ -312,7 +312,8 @@ def build_drafter(opts: DrafterOptions, target, train_rows: dict, device: str):
 def continue_drafter(name_or_dir: str, target, device: str, window_rule: str | None = None,
                      options: DrafterOptions | None = None):
     """A trained drafter to go on training (a fresh schedule, not --resume): its architecture, draft
-    vocabulary and weights come from the checkpoint, so the layout options do not apply, except a
+    vocabulary and weights come from the checkpoint (a layout flag given beside it that differs is
+    refused before anything loads: train.preflight.check_init_drafter), except a
     given `window_rule`: the same weights then train under that sliding-window rule (how an
     anchor-rule drafter becomes one the engines serve as trained)."""
     import dataclasses
@@ -325,7 +326,7 @@ def continue_drafter(name_or_dir: str, target, device: str, window_rule: str | N
     check_pair(target, drafter)
     cfg = drafter.config
     print(f"init: continuing from the drafter in {name_or_dir} ({cfg.num_hidden_layers} layer(s), "
-          f"block {cfg.block_size}, draft vocabulary {cfg.draft_vocab_size or 'full'}); layout options are ignored")
+          f"block {cfg.block_size}, draft vocabulary {cfg.draft_vocab_size or 'full'}): its own layout")
     if window_rule and cfg.has_sliding and window_rule != cfg.sliding_window_rule:
         print(f"init: sliding window rule {cfg.sliding_window_rule} -> {window_rule} (weights kept)")
         moved = DFlashDrafter(dataclasses.replace(cfg, sliding_window_rule=window_rule), initialize=False)

@@ -1,6 +1,9 @@
 """What `blockdraft train` checks before any work: every setting against its constraint and the
-files it names, settings against each other (sliding layers, FSDP without torchrun), the draft
-vocabulary against the target's, and a resumed run's settings against those it started with.
+files it names, settings against each other (sliding layers, FSDP without torchrun, a block longer
+than a row, layout flags beside --init-drafter), the draft vocabulary against the target's, a row
+against the machine's memory and the disk against the checkpoints (`check_before_loading`: from the
+target's config and the drafter's, never their weights), and a resumed run's settings against
+those it started with.
 
 Nothing here is clamped or ignored with a print: a setting the run cannot honour is a one-line
 error naming it, before the target loads.
@@ -32,6 +35,7 @@ def preflight(cfg) -> None:
     if not cfg.drafter.init_drafter:  # a continued drafter brings its own layout
         cfg.drafter.check(target_vocab(cfg.target.target) if _numeric(cfg.drafter.draft_vocab) else None)
     check_resumed_settings(cfg)
+    check_before_loading(cfg)
 
 
 def launched() -> bool:
@@ -57,21 +61,27 @@ def _numeric(draft_vocab) -> bool:
     return str(draft_vocab).strip().isdigit()
 
 
-def target_vocab(name: str) -> int | None:
-    """The target's vocabulary from its config alone (no weights), None where the config cannot say."""
+def target_config(name: str):
+    """The target's transformers config alone (no weights), None where it cannot be read (loading the
+    target names the problem)."""
     from ..target.files import is_random, resolve_target
 
     if is_random(name):
-        from ..target.tiny import random_preset
+        from ..target.tiny import random_config
 
-        return int(random_preset(name)["vocab"])
+        return random_config(name)
     local, _ = resolve_target(name)
     try:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(local)
+        return AutoConfig.from_pretrained(local)
     except (OSError, ValueError, KeyError):
-        return None  # loading the target names the problem
+        return None
+
+
+def target_vocab(name: str) -> int | None:
+    """The target's vocabulary from its config alone (no weights), None where the config cannot say."""
+    cfg = target_config(name)
     vocab = getattr(getattr(cfg, "text_config", None) or cfg, "vocab_size", None)
     return int(vocab) if vocab else None
 
@@ -103,3 +113,109 @@ def check_resumed_settings(cfg) -> None:
         replay = "" if recovered else f" (blockdraft train --config {out / CONFIG_FILE} --resume)"
         raise ValueError(f"--resume: this run was started with {', '.join(changed)}; resume it with its own settings"
                          f"{replay} or start a new --out")
+
+
+def given(cfg, part: str) -> set[str]:
+    """The settings of `part` the user set: the command line's flags (RunConfig.given), or for a
+    RunConfig made in Python, those that differ from their defaults."""
+    values = getattr(cfg, part)
+    if cfg.given is not None:
+        return {f for f in vars(values) if f in cfg.given}
+    default = type(values)()
+    return {f for f in vars(values) if getattr(values, f) != getattr(default, f)}
+
+
+def _flag(name: str, cfg, part: str) -> str:
+    """How a setting was given: its flag, or its entry in the --config file."""
+    if cfg.source and (cfg.given is None or name not in cfg.given):
+        return f"{part}.{name} in {cfg.source}"
+    return "--" + name.replace("_", "-")
+
+
+def check_before_loading(cfg) -> None:
+    """What was found only after the target loaded and the data was tokenized: layout flags that a
+    --init-drafter would not apply, a block longer than a row, a row that cannot fit in memory, a
+    disk without room for the checkpoints. From the configs alone."""
+    hf = target_config(cfg.target.target)
+    dc = planned_drafter(cfg, hf)
+    check_init_drafter(cfg, dc)
+    L, block = cfg.data.max_length, dc.block_size if dc is not None else cfg.drafter.block_size
+    if block > L:
+        what = f"--init-drafter {cfg.drafter.init_drafter}'s block" if cfg.drafter.init_drafter else \
+            _flag("block_size", cfg, "drafter")
+        raise ValueError(f"{what} {block} exceeds {_flag('max_length', cfg, 'data')} {L}: a packed row must hold a "
+                         "whole block")
+    features = len(dc.target_layer_ids) * dc.target_hidden_size if dc is not None else 0
+    hidden = dc.target_hidden_size if dc is not None else 0
+    need, have = L * (4 * 8 + 4 * (features + hidden)), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"{_flag('max_length', cfg, 'data')} {L:,}: one packed row of that many tokens takes "
+                         f"{need / 2**30:,.1f} GiB for its tokens and the target's features alone, more than this "
+                         f"machine's {have / 2**30:,.1f} GiB of memory; use a smaller max_length")
+    if dc is not None and os.environ.get("RANK", "0") == "0":
+        from ..atomic import check_free_space
+        from ..plan import drafter_sizes
+        from .state import run_bytes
+
+        check_free_space(cfg.train.out, run_bytes(drafter_sizes(dc)["params"]), "the checkpoints and the final drafter")
+
+
+def planned_drafter(cfg, hf):
+    """The drafter's config before anything loads: the --init-drafter's own, else the one the flags
+    describe on this target (None where the target's config cannot say)."""
+    if cfg.drafter.init_drafter:
+        from ..checkpoint.native import read_config, resolve_drafter
+
+        return read_config(resolve_drafter(cfg.drafter.init_drafter))[1]
+    if hf is None:
+        return None
+    from types import SimpleNamespace
+
+    from ..config import DrafterConfig, default_target_layer_ids
+    from ..target import pick_device
+
+    try:
+        tc = getattr(hf, "text_config", None) or hf
+        V = int(tc.vocab_size)
+        ids = cfg.target.layer_ids or default_target_layer_ids(int(tc.num_hidden_layers), cfg.target.num_features)
+        fake = SimpleNamespace(model=SimpleNamespace(config=hf), layer_ids=ids, vocab_size=V, mask_token_id=V - 1,
+                               name="preflight", tokenizer_hash=None)
+        vocab = cfg.drafter.vocab_size(pick_device(cfg.target.device), V)
+        return DrafterConfig.for_target(fake, draft_vocab_size=vocab, **cfg.drafter.layout())
+    except (AttributeError, TypeError, KeyError):  # a config of unusual shape: building the drafter says more
+        return None
+
+
+INIT_ONLY = ("init_from_target", "final_norm_init", "context_init")  # how a new drafter starts
+
+
+def check_init_drafter(cfg, dc) -> None:
+    """--init-drafter brings its own layout and weights: a layout or start setting the user gave
+    beside it, which the drafter does not have, is refused naming both (never ignored)."""
+    d = cfg.drafter
+    if not d.init_drafter:
+        return
+    sliding = [t == "sliding_attention" for t in dc.layer_types]
+    has = {"block_size": dc.block_size, "draft_layers": dc.num_hidden_layers,
+           "sliding_window": dc.sliding_window if any(sliding) else 0, "sliding_layers": sum(sliding),
+           "bidirectional_sliding": not dc.sliding_causal_in_block, "draft_vocab": dc.draft_vocab_size or "full"}
+    if not d.kind or d.kind == dc.kind:  # a kind's fields apply only where --kind changes it
+        has.update({n: getattr(dc, n, None) for n in ("markov_rank", "selector_rank", "selector_top_k")})
+    wrong = []
+    for name in sorted(given(cfg, "drafter") & (set(has) | set(INIT_ONLY))):
+        now = getattr(d, name)
+        if name in INIT_ONLY:
+            wrong.append(f"{_flag(name, cfg, 'drafter')} {now} (it starts a new drafter)")
+        elif not _same(name, now, has[name]):
+            wrong.append(f"{_flag(name, cfg, 'drafter')} {now} (the drafter's: {has[name]})")
+    if wrong:
+        raise ValueError(f"--init-drafter {d.init_drafter} brings its own layout and weights, so {', '.join(wrong)} "
+                         f"would not apply: drop {'them' if len(wrong) > 1 else 'it'}, or train a new drafter without "
+                         "--init-drafter")
+
+
+def _same(name: str, now, has) -> bool:
+    if name == "draft_vocab":
+        v = str(now).strip()
+        return (v in ("full", "0") and has == "full") or (v.isdigit() and int(v) == has)
+    return now == has

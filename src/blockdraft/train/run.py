@@ -35,6 +35,10 @@ class RunConfig:
     drafter: DrafterOptions = field(default_factory=DrafterOptions)
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineOptions = field(default_factory=EngineOptions)
+    # not settings of the run: which ones the command line set (None: unknown, as in Python, where
+    # those that differ from their defaults count), and the --config file the others came from
+    given: frozenset | None = field(default=None, repr=False, compare=False)
+    source: str | None = field(default=None, repr=False, compare=False)
 
     PARTS = ("target", "data", "drafter", "train", "engine")
 
@@ -90,6 +94,17 @@ def check_resumed_state(out: Path) -> None:
     read_meta(find_checkpoint(out / "checkpoint") or out / "checkpoint")
     if (out / METRICS).is_file():
         metrics_lines(out / METRICS, say=False)
+
+
+def check_cache(path: str, max_length: int) -> None:
+    """A feature cache's manifest and every shard's header (data.features.DiskFeatures), and its rows'
+    length against --max-length, before the target loads."""
+    from ..data.features import DiskFeatures
+
+    made = DiskFeatures(path, rows=False).manifest.get("max_length")
+    if made != max_length:
+        raise ValueError(f"feature cache {path} holds rows of {made} tokens, and --max-length is {max_length}: "
+                         f"pass --max-length {made}, or extract a cache of {max_length}")
 
 
 def cached_rows(opts: DataOptions, target, seed: int):
@@ -166,6 +181,8 @@ def run_training(cfg: RunConfig) -> dict:
 
     tc = cfg.train
     tc.validate()
+    if cfg.target.threads:  # set in a --config file as well as by the flag
+        torch.set_num_threads(cfg.target.threads)
     check_cache_options(cfg.data)
     from ..data.chat import use_template
 
@@ -178,6 +195,9 @@ def run_training(cfg: RunConfig) -> dict:
     preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
     if tc.resume:
         check_resumed_state(Path(tc.out))
+    for cache in (cfg.data.features_cache, cfg.data.eval_features_cache):
+        if cache:  # the manifest and every shard's header, before the target loads
+            check_cache(cache, cfg.data.max_length)
     with claim_run(tc.out, resume=tc.resume, overwrite=tc.overwrite):
         return _train(cfg, tc)
 

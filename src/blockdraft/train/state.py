@@ -51,6 +51,18 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, dra
                       owner=owner)
 
 
+def checkpoint_bytes(params: int) -> int:
+    """About what one checkpoint of a drafter of `params` parameters takes: it and AdamW's two
+    moments, in fp32."""
+    return 3 * params * 4 + 2**20
+
+
+def run_bytes(params: int) -> int:
+    """The disk a run needs: two checkpoints (a swap holds the old one until the new one is whole)
+    and the final drafter."""
+    return 2 * checkpoint_bytes(params) + checkpoint_bytes(params) // 3
+
+
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of a state tensor, made by the copy to the host itself (a clone on the GPU first
     would hold a second copy of the drafter and its optimizer there while the file is written)."""

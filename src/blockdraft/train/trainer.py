@@ -23,7 +23,7 @@ from .cadence import Cadence, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
 from .options import TrainConfig
 from .rundir import append_metrics, resumed_record, saved_settings, truncate_metrics, write_record
-from .state import load_state, save_state
+from .state import checkpoint_bytes, load_state, run_bytes, save_state
 from .step import compute_loss, plan_host
 
 # on a GPU, the most of the wall time checkpoints and evaluations may each take (train.cadence)
@@ -277,7 +277,7 @@ class Trainer:
 
     def checkpoint_bytes(self) -> int:
         """About what one checkpoint takes: the drafter and AdamW's two moments, in fp32."""
-        return 3 * sum(p.numel() * 4 for p in self.drafter.parameters()) + 2**20
+        return checkpoint_bytes(sum(p.numel() for p in self.drafter.parameters()))
 
     def save(self) -> None:
         states: dict = {}
@@ -403,7 +403,7 @@ class Trainer:
         every rank (then sharded), the run's config written."""
         self.out.mkdir(parents=True, exist_ok=True)
         if lead:  # found now, not after hours: two checkpoints (the swap) and the final drafter
-            check_free_space(self.out, 2 * self.checkpoint_bytes() + self.checkpoint_bytes() // 3,
+            check_free_space(self.out, run_bytes(sum(p.numel() for p in self.drafter.parameters())),
                              "the checkpoints and the final drafter")
         if resume:
             self.resume()
