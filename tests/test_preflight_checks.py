@@ -136,3 +136,17 @@ def test_layout_flags_that_agree_with_init_drafter_and_threads_from_a_config_app
     assert main(["train", "--config", str(path), "--block-size", "16", "--draft-layers", "1"]) == 0
     assert threads == [3], threads
     assert "layout options are ignored" not in capsys.readouterr().out
+
+
+def test_settings_the_run_makes_moot_are_refused_not_printed_over(tmp_path, tiny_target_dir, chat_data, no_loading,
+                                                                  capsys, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    base = ["train", "--target", tiny_target_dir, "--out", str(tmp_path / "r"), *TRAIN]
+    refused(capsys, [*base, "--features-cache", str(cache), "--memo-features", "on"],
+            "--memo-features on", "with --features-cache the target does not run")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun, where --target-fsdp is allowed
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    refused(capsys, [*base, "--features-cache", str(cache), "--target-fsdp"], "--target-fsdp", "never load")
+    refused(capsys, [*base, "--data", chat_data, "--target-fsdp", "--memo-features", "on"],
+            "--memo-features on", "--target-fsdp target runs on every rank")

@@ -32,6 +32,7 @@ def preflight(cfg) -> None:
     for name in cfg.PARTS:
         check_fields(getattr(cfg, name), where=f"{name}.")
     check_launch(cfg)
+    check_applied(cfg)
     if not cfg.drafter.init_drafter:  # a continued drafter brings its own layout
         cfg.drafter.check(target_vocab(cfg.target.target) if _numeric(cfg.drafter.draft_vocab) else None)
     check_resumed_settings(cfg)
@@ -55,6 +56,24 @@ def check_launch(cfg) -> None:
     if cfg.target.target_fsdp and not cfg.data.features_cache:
         raise ValueError("--target-fsdp shards the target over the ranks of a torchrun launch, and this is none: run "
                          "under torchrun or drop --target-fsdp")
+
+
+def check_applied(cfg) -> None:
+    """A setting that the rest of the run makes moot is refused, not printed over and ignored: the
+    target's layers are neither loaded nor run when a feature cache feeds the run, so they have
+    nothing to shard and no outputs to keep; a sharded target runs every step, so nothing is kept."""
+    memo_on = cfg.data.memo_features == "on"
+    if cfg.data.features_cache and cfg.target.target_fsdp:
+        raise ValueError("--target-fsdp shards the target's layers, and with --features-cache they never load (the "
+                         "cache holds their outputs): drop --target-fsdp")
+    if memo_on and (cfg.data.features_cache or cfg.engine.engine == "vllm"):
+        where = "--features-cache" if cfg.data.features_cache else "--engine vllm"
+        raise ValueError(f"--memo-features on keeps the target's outputs, and with {where} the target does not run "
+                         "here: drop --memo-features")
+    if memo_on and cfg.target.target_fsdp:
+        raise ValueError("--memo-features on keeps the target's outputs, but a --target-fsdp target runs on every "
+                         "rank every step (its forward is a collective): drop one of them, or `blockdraft extract` "
+                         "once and train from the cache")
 
 
 def _numeric(draft_vocab) -> bool:

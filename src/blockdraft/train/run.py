@@ -139,9 +139,8 @@ def load_target(cfg: RunConfig, device: str):
     if cfg.engine.engine == "vllm":  # vLLM runs it: its embedding, head and final norm are enough here
         return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
                                      final_norm=True)
-    if cfg.data.features_cache:  # the target never runs: only its embedding and head are loaded
-        if t.target_fsdp:
-            print("target: a feature cache loads only the target's embedding and head; --target-fsdp has nothing to shard")
+    if cfg.data.features_cache:  # the target never runs: only its embedding and head are loaded (preflight:
+        # --target-fsdp is refused here)
         return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device)
     return TargetModel.from_pretrained(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
                                        shard=t.target_fsdp, **spread_kwargs(t, device))
@@ -163,9 +162,8 @@ def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
     train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows)
     if getattr(target, "sharded", False):
         # a sharded target's forward is a collective: a rank that found a row in its memo would skip a
-        # forward the others run (use `extract` once instead, and train from the cache)
-        if d.memo_features == "on":
-            print("data: --target-fsdp runs the target every step; --memo-features on is not applied")
+        # forward the others run (use `extract` once instead, and train from the cache); preflight
+        # refuses --memo-features on here
         return train_rows, eval_rows, {}
     if d.memo_features == "on" or (d.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
         # compute the target's outputs once, reuse them every epoch
