@@ -271,3 +271,57 @@ def test_write_prompts_removes_only_its_own_leftovers(tmp_path):
     write_prompts([{"id": 1, "messages": []}], out)
     assert not dead.exists() and (tmp_path / "p.jsonl.gz.tmp").read_text() == "a user's"
     assert sorted(q.name for q in tmp_path.iterdir()) == ["p.jsonl.gz", "p.jsonl.gz.tmp"]
+
+
+# ------------------------------------------------------ one-file outputs (issue 43, item 4.1)
+def test_prompts_out_never_replaces_a_users_file_or_writes_through_a_link(tmp_path, capsys, monkeypatch):
+    import blockdraft.data.prompt_set as ps
+    from blockdraft.data.prompt_set import samples_path, write_prompts
+
+    built = []
+    monkeypatch.setattr(ps, "build_prompt_set", lambda *a, **k: built.append(1) or [
+        {"id": "builtin-000000", "kind": "prose", "messages": [{"role": "user", "content": "hi"}]}])
+    out = tmp_path / "mine.jsonl"
+    out.write_text(json.dumps({"messages": [{"role": "user", "content": "my own"}]}) + "\n")
+    argv = ["prompts", "--out", str(out), "--magpie", "0", "--builtin", "1", "--threads", "1"]
+    one_line_error(capsys, argv, str(out), "not a prompt set")
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("keep")
+    link = tmp_path / "link.jsonl.gz"
+    link.symlink_to(outside)
+    one_line_error(capsys, ["prompts", "--out", str(link), *argv[3:]], str(link), "symbolic link")
+    samples = samples_path(tmp_path / "new.jsonl")
+    samples.write_text("my notes\n")
+    one_line_error(capsys, ["prompts", "--out", str(tmp_path / "new.jsonl"), *argv[3:]], str(samples), "Magpie")
+    assert not built and outside.read_text() == "keep" and "my own" in out.read_text()  # refused before any work
+    assert samples.read_text() == "my notes\n"
+    ours = tmp_path / "set.jsonl.gz"
+    write_prompts([{"id": "magpie-000000", "kind": "magpie", "messages": []}], ours)  # an earlier prompts run
+    assert main(["prompts", "--out", str(ours), *argv[3:]]) == 0  # replaced: prompts wrote it
+    assert ps.read_prompts(ours)[0][0] == "builtin-000000"
+
+
+def test_bench_json_and_plot_never_write_through_a_link_or_over_a_users_file(tmp_path, capsys, monkeypatch):
+    import blockdraft.cli as cli
+    from blockdraft.bench.runner import check_outputs, plot_hist
+    from blockdraft.ownership import replace_text
+
+    monkeypatch.setattr(cli, "_load_pair", lambda args: pytest.fail("the target loaded before --json was checked"))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    base = ["bench", "--sets", "gsm8k", "--n", "1", "--threads", "1"]
+    for flag in ("--json", "--plot"):
+        link = tmp_path / f"link{flag[2:]}"
+        link.symlink_to(outside)
+        one_line_error(capsys, [*base, flag, str(link)], str(link), "symbolic link")
+    mine = tmp_path / "results.json"
+    mine.write_text('{"my": "results"}')
+    one_line_error(capsys, [*base, "--json", str(mine)], str(mine), "not a bench result")
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n my photo")
+    one_line_error(capsys, [*base, "--plot", str(photo)], str(photo), "not a bench plot")
+    assert outside.read_text() == "keep" and mine.read_text() == '{"my": "results"}'
+    result = [{"set": "gsm8k", "n_prompts": 1, "tau": 1.5, "speedup": 1.2, "accepted_hist": {1: 2, 2: 3}}]
+    replace_text(tmp_path / "b.json", json.dumps(result))
+    plot_hist(result, tmp_path / "b.png")
+    check_outputs(tmp_path / "b.json", tmp_path / "b.png")  # what bench wrote, a rerun replaces

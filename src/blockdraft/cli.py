@@ -77,12 +77,11 @@ def _is_prompt_file(path: str) -> bool:
 
 
 def cmd_prompts(args) -> int:
-    from .data.prompt_set import build_prompt_set, write_prompts
+    from .data.prompt_set import build_prompt_set, check_prompts_out, samples_path, write_prompts
 
     _threads(args)
-    from pathlib import Path
-
-    samples = Path(args.out).with_name(Path(args.out).name + ".samples.jsonl")  # kept across a restart
+    check_prompts_out(args.out)  # a user's file is never replaced, nothing is written through a link
+    samples = samples_path(args.out)  # kept across a restart
     records = build_prompt_set(args.target, args.magpie, args.builtin, engine=args.engine, seed=args.seed,
                                oversample=args.oversample, samples_path=samples)
     out = write_prompts(records, args.out)
@@ -180,9 +179,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench.runner import run_bench
+    from .bench.runner import check_outputs, run_bench
 
     _threads(args)
+    check_outputs(args.json, args.plot)  # before the target loads and the bench runs
     target, drafter = _load_pair(args)
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     results = run_bench(target, drafter, sets, args.n, max_new_tokens=args.max_new_tokens,

@@ -71,20 +71,42 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def replace_text(path: str | os.PathLike, text: str) -> None:
+    """Write `path` whole or not at all (`replace_bytes`)."""
+    replace_bytes(path, text.encode("utf-8"))
+
+
+def replace_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `path` whole or not at all: a temporary beside it (never through a link), synced, then
     renamed over it; a crash or a full disk midway leaves the old file, never a half-written one."""
     path = Path(path)
     remove_leftovers(path)
     tmp = temp_path(path)
     try:
-        with open_private(tmp, "x") as f:
-            f.write(text)
+        with open_private(tmp, "xb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def check_file(path: str | os.PathLike, owner: str, ours: Callable[[Path], bool], what: str) -> None:
+    """A one-file output (a command's --out, --json, --plot): absent, or a regular file that `ours`
+    recognises as `owner`'s (`what` it holds). A link, a directory or anyone else's file is refused
+    with one line naming it, before any work: nothing is written through a link or over a user's file."""
+    p = Path(path)
+    if p.is_symlink():
+        raise ValueError(f"{p} is a symbolic link; blockdraft {owner} never writes through a link: remove it or "
+                         "choose another path")
+    if not p.exists():
+        return
+    if not p.is_file():
+        raise ValueError(f"{p} exists and is not a file; choose another path")
+    if p.stat().st_size and not ours(p):
+        raise ValueError(f"{p} exists and is not {what} that blockdraft {owner} wrote; move it away or choose "
+                         "another path")
 
 
 def temp_path(final: str | os.PathLike, kind: str = "tmp") -> Path:

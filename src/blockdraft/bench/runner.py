@@ -82,11 +82,18 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
     }
 
 
+PNG_MARK = "blockdraft bench"  # the PNG's Software entry: a plot bench wrote, which a rerun may replace
+
+
 def plot_hist(results: list[dict], path) -> None:
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from ..ownership import replace_bytes
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.5), squeeze=False)
     for ax, r in zip(axes[0], results):
@@ -95,19 +102,49 @@ def plot_hist(results: list[dict], path) -> None:
         ax.set(title=f"{r['set']}: tau {r['tau']:.2f}, {r['speedup']:.2f}x", xlabel="tokens committed per step",
                ylabel="steps")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110, format="png", metadata={"Software": PNG_MARK})
     plt.close(fig)
+    replace_bytes(path, png.getvalue())  # whole or not at all, never through a link
+
+
+def bench_json(path) -> bool:
+    """Whether a file holds results as `run_bench` writes them (a list of per-set records)."""
+    try:
+        got = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(got, list) and all(isinstance(r, dict) and {"set", "tau", "speedup"} <= set(r) for r in got)
+
+
+def bench_plot(path) -> bool:
+    """Whether a file is a PNG `plot_hist` wrote (its Software entry, a PNG text chunk near the start)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + PNG_MARK.encode() in head
+
+
+def check_outputs(json_path=None, plot_path=None) -> None:
+    """--json and --plot, before the bench runs: a new file, or one bench wrote (never a link)."""
+    from ..ownership import check_file
+
+    if json_path:
+        check_file(json_path, "bench", bench_json, "a bench result")
+    if plot_path:
+        check_file(plot_path, "bench", bench_plot, "a bench plot")
 
 
 def run_bench(target, drafter, sets: list[str], n: int, *, max_new_tokens: int = 256, block_size=None,
               json_path=None, plot_path=None, progress: bool = True, draft_threshold: float = 0.0,
               lookup: int = 0) -> list[dict]:
+    from ..ownership import replace_text
+
     check_sets(",".join(sets))  # an empty list would print an empty table and pass
+    check_outputs(json_path, plot_path)
     results = [bench_set(target, drafter, s, n, max_new_tokens=max_new_tokens, block_size=block_size,
                          progress=progress, draft_threshold=draft_threshold, lookup=lookup) for s in sets]
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=1)
+        replace_text(json_path, json.dumps(results, indent=1))
     if plot_path:
         plot_hist(results, plot_path)
     return results

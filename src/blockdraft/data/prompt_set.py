@@ -45,6 +45,32 @@ def read_prompts(path: str | os.PathLike = DEFAULT_PROMPTS) -> list[tuple[str, l
     return [(str(r["id"]), r["messages"]) for r in recs]
 
 
+def samples_path(out: str | os.PathLike) -> Path:
+    """Where `blockdraft prompts --out OUT` keeps its raw Magpie samples across a restart."""
+    return Path(out).with_name(Path(out).name + ".samples.jsonl")
+
+
+def _first_record(path: Path) -> dict | None:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            got = json.loads(f.readline() or "null")
+    except (OSError, EOFError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def check_prompts_out(out: str | os.PathLike) -> None:
+    """`blockdraft prompts --out`, before any sampling: a new file, or a prompt set (and its samples
+    file) such as prompts writes; a user's file or a link is refused naming it."""
+    from ..ownership import check_file
+
+    check_file(out, "prompts", lambda p: {"id", "kind", "messages"} <= set(_first_record(p) or {}),
+               "a prompt set (records of id, kind, messages)")
+    check_file(samples_path(out), "prompts", lambda p: set(_first_record(p) or {"": 0}) == {"text"},
+               "Magpie samples (records of text)")
+
+
 def write_prompts(records: list[dict], out: str | os.PathLike) -> Path:
     """Write records atomically (gzip for .gz, with a fixed timestamp so rebuilding gives the same bytes)."""
     from ..ownership import remove_leftovers, temp_path
@@ -134,7 +160,9 @@ def magpie_samples(target_name: str, n: int, engine: str, seed: int, samples_pat
 
     def save(text: str) -> None:
         if samples_path is not None:
-            with open(samples_path, "a", encoding="utf-8") as f:
+            from ..ownership import open_private
+
+            with open_private(samples_path, "a") as f:  # never through a link
                 f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
 
     more = sample_user_turns(generate, tok, n - len(have), seed=seed + len(have), keep=save, progress=progress)
