@@ -133,3 +133,43 @@ def test_train_writes_the_engines_layout(tmp_path):
     assert "draft_vocab" not in sd and torch.equal(torch.arange(Vd) + sd["d2t"], ids)
     assert torch.equal(sd["lm_head.weight"], tr.target.model.get_output_embeddings().weight[ids].float())
     assert torch.equal(load_drafter(tmp_path / "drafter").draft_vocab, ids)
+
+
+# ------------------------------------------- a load while a save swaps (issue 43, item 4.6)
+def _two_versions():
+    t = tiny_target("llama")
+    a = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    b = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
+    with torch.no_grad():
+        b.fc.weight.add_(1.0)  # a later save: the same layout, other weights
+    return a, b
+
+
+def test_a_load_during_a_save_waits_for_the_swap_and_reads_one_whole_version(tmp_path, monkeypatch):
+    import threading
+
+    a, b = _two_versions()
+    path = save_drafter(a, tmp_path / "d")
+    moved, release, real = threading.Event(), threading.Event(), Path.rename
+
+    def slow_rename(self, target):  # the save stops between moving the old version aside and the new in
+        out = real(self, target)
+        if ".blockdraft-old-" in str(target):
+            moved.set()
+            release.wait(10)
+        return out
+
+    monkeypatch.setattr(Path, "rename", slow_rename)
+    saver = threading.Thread(target=save_drafter, args=(b, path))
+    saver.start()
+    assert moved.wait(10) and not path.exists()
+    got = []
+    loader = threading.Thread(target=lambda: got.append(load_drafter(path)))
+    loader.start()
+    loader.join(0.5)
+    assert loader.is_alive() and not got  # waiting on the swap, not failing
+    release.set()
+    saver.join(10), loader.join(10)
+    assert torch.equal(got[0].fc.weight, load_drafter(path).fc.weight)
+    assert not torch.equal(got[0].fc.weight, a.fc.weight)  # the new version, whole
+

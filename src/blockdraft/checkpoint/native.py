@@ -12,13 +12,16 @@ The feature scale used in training is folded into fc.weight, so the weights keep
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save_file
 
 from ..atomic import atomic_dir
 from ..finite import require_finite
@@ -28,6 +31,7 @@ from . import formats
 from .formats import Difference, Export
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+SWAP_WAIT = 30.0  # seconds a read waits for a save swapping a new version of the directory in
 OWNED = (CONFIG, WEIGHTS)
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "assets" / "default-drafter"
 
@@ -77,14 +81,53 @@ def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
             raise ValueError("this installation has no default drafter; train one with `blockdraft train`")
         return path
     path = Path(dir_or_name).expanduser()
-    if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
-        raise ValueError(f"{path} is not a drafter directory: it needs {CONFIG} and {WEIGHTS}")
+    deadline = time.monotonic() + SWAP_WAIT
+    while not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
+        if not _swapping(path) or time.monotonic() > deadline:
+            raise ValueError(f"{path} is not a drafter directory: it needs {CONFIG} and {WEIGHTS}")
+        time.sleep(0.02)  # a save is between moving the old version aside and the new one in
     return path
 
 
-def read_config(path: Path, num_target_layers: int | None = None):
+def _swapping(path: Path) -> bool:
+    """Whether a save (`atomic_dir`) has moved the old version of `path` aside and not yet swapped
+    the new one in (its `old` twin lies beside it), as a live process's or a killed one's."""
+    return bool(glob.glob(os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.blockdraft-old-*")))
+
+
+def _read_pair(path: Path) -> tuple[bytes, bytes]:
+    """config.json and model.safetensors of one version of `path`: both opened through one handle
+    on the directory, so a save swapping a new version in meanwhile gives the old pair or the new
+    one, never a config of one and the weights of the other."""
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        raw = json.loads((path / CONFIG).read_text())
+        got = []
+        for name in (CONFIG, WEIGHTS):
+            with os.fdopen(os.open(name, os.O_RDONLY, dir_fd=dfd), "rb") as f:
+                got.append(f.read())
+        return got[0], got[1]
+    finally:
+        os.close(dfd)
+
+
+def read_snapshot(path: Path) -> tuple[bytes, bytes]:
+    """`_read_pair`, waiting (up to SWAP_WAIT) while a save swaps the directory: the version it read
+    may be removed before its files open, which is then read again."""
+    deadline = time.monotonic() + SWAP_WAIT
+    while True:
+        try:
+            return _read_pair(path)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise ValueError(f"{path} is not a drafter directory: it needs {CONFIG} and {WEIGHTS}") from None
+            path = resolve_drafter(path)  # waits for the swap, or says what is missing
+            time.sleep(0.02)
+
+
+def read_config(path: Path, num_target_layers: int | None = None, text: bytes | None = None):
+    """The config of the drafter directory `path` (`text`: its config.json, already read)."""
+    try:
+        raw = json.loads((path / CONFIG).read_bytes() if text is None else text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / CONFIG} is not valid JSON ({e}); re-export or re-train the drafter") from None
     if not isinstance(raw, dict):
@@ -98,9 +141,10 @@ def read_config(path: Path, num_target_layers: int | None = None):
                          f"({type(e).__name__}: {e})") from None
 
 
-def read_weights(path: Path) -> dict:
+def read_weights(path: Path, blob: bytes | None = None) -> dict:
+    """The tensors of the drafter directory `path` (`blob`: its model.safetensors, already read)."""
     try:
-        return load_file(str(path / WEIGHTS))
+        return load_bytes((path / WEIGHTS).read_bytes() if blob is None else blob)
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path / WEIGHTS} is damaged or truncated ({e}); copy it again or re-train") from None
 
@@ -110,9 +154,10 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dty
     """Read a drafter directory of any registered format (JSON + safetensors only). Missing or unknown
     weights are an error. `num_target_layers` fills in what published speculators configs leave out."""
     path = resolve_drafter(dir_or_name)
-    _, cfg = read_config(path, num_target_layers)
+    text, blob = read_snapshot(path)  # one version, whole, even while a save swaps another in
+    _, cfg = read_config(path, num_target_layers, text)
     drafter = DFlashDrafter(cfg, initialize=False)  # every weight is loaded below (missing ones refused)
-    raw = read_weights(path)
+    raw = read_weights(path, blob)
     # every command and kind loads through here: a drafter with a NaN or Inf drafts nothing, silently
     require_finite(raw, str(path / WEIGHTS), "copy it again, or re-train it")
     sd = formats.native_weights(raw, cfg)
