@@ -40,6 +40,11 @@ class TrainConfig:
     overwrite: bool = opt(False, "replace the run in --out (its drafter, checkpoint and metrics); without it or "
                                  "--resume, a directory holding a run is refused")
     progress: bool = opt(True, "show a progress bar")
+    report_to: str = opt("none", "experiment trackers that also get every metrics.jsonl figure and the run's settings, "
+                                 "comma-separated: tensorboard, trackio, wandb (offline), mlflow (a file store), each "
+                                 "writing inside --out (pip install 'blockdraft[trackers]'); none: only metrics.jsonl")
+    report_required: bool = opt(False, "a --report-to tracker that cannot start or write stops the run with an error "
+                                       "(default: a warning, and the run goes on without it)")
     # library-only settings (no flag)
     min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of lr", hidden=True, max=1)
     weight_decay: float = opt(0.01, "AdamW weight decay", hidden=True)
@@ -70,6 +75,9 @@ class TrainConfig:
             raise ValueError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.eval_every < 1 or self.save_every < 1:
             raise ValueError("--eval-every and --save-every must be >= 1")
+        from .trackers import parse_report_to
+
+        parse_report_to(self.report_to)
         check_fields(self, environment=False)  # and every field: its type, a finite number, its bounds
 
 

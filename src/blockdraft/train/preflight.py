@@ -18,7 +18,8 @@ from pathlib import Path
 # settings a resumed run may change: how it runs and reports, never what it computes
 RESUMABLE = {
     "train": {"out", "resume", "overwrite", "progress", "eval_every", "save_every", "log_every", "eval_anchors",
-              "dist_timeout_min", "gradient_checkpointing", "fsdp", "backend"},
+              "dist_timeout_min", "gradient_checkpointing", "fsdp", "backend",
+              "report_to", "report_required"},
     "target": {"device", "threads", "target_device_map", "offload_folder", "target_fsdp"},
     "data": {"skip_bad_lines", "memo_features", "max_eval_rows"},
     "drafter": set(),
@@ -28,10 +29,12 @@ RESUMABLE = {
 def preflight(cfg) -> None:
     """Every check below, in order; the first that fails raises its ValueError."""
     from ..options import check_fields
+    from .trackers import check_installed
 
     for name in cfg.PARTS:
         check_fields(getattr(cfg, name), where=f"{name}.")
     check_launch(cfg)
+    check_installed(cfg.train.report_to, cfg.train.report_required)
     check_applied(cfg)
     if not cfg.drafter.init_drafter:  # a continued drafter brings its own layout
         cfg.drafter.check(target_vocab(cfg.target.target) if _numeric(cfg.drafter.draft_vocab) else None)

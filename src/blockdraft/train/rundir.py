@@ -29,7 +29,9 @@ OWNER = "train"
 METRICS, SUMMARY = "metrics.jsonl", "summary.json"
 LAYOUT = {METRICS: None, CONFIG_FILE: None, SUMMARY: None, "loss.png": None, "slot_accuracy.png": None,
           "drafter": {"config.json": None, "model.safetensors": None},
-          "checkpoint": {STATE_JSON: None, STATE_TENSORS: None}}
+          "checkpoint": {STATE_JSON: None, STATE_TENSORS: None},
+          # --report-to's stores (train.trackers), each the library's own
+          "trackers.json": None, "tensorboard": None, "trackio": None, "wandb": None, "mlruns": None}
 
 
 def holds_run(out: str | os.PathLike) -> bool:

@@ -67,6 +67,8 @@ def rows_per_batch(cfg: TrainConfig, train_rows: dict) -> int:
 
 
 class Trainer:
+    trackers = None  # --report-to's (train.trackers), on rank 0
+
     def __init__(self, target, drafter, train_rows: dict, eval_rows: dict | None, cfg: TrainConfig, *,
                  train_features=None, eval_features=None, keep_function: bool = False, run_config: dict | None = None):
         """`train_features`/`eval_features`: optional idx -> (features, final_hidden) of stored target
@@ -299,6 +301,8 @@ class Trainer:
                              + (f"the checkpoint of step {kept} is kept: free space and rerun with --resume"
                                 if kept else "no earlier checkpoint exists: free space and rerun")) from None
         self.saved_step = step
+        if self.trackers:  # the steps up to this checkpoint: those a --resume keeps
+            self.trackers.flush()
         barrier()
 
     def resume(self) -> None:
@@ -312,6 +316,8 @@ class Trainer:
     def log(self, record: dict) -> None:
         if self.rank == 0:
             append_metrics(self.out, record, kept=self.saved_step)  # never through a link (train.rundir)
+            if self.trackers:
+                self.trackers.report(record)
 
     # ---------------------------------------------------------------------- loop
     def step(self) -> dict:
@@ -419,6 +425,9 @@ class Trainer:
             if resume:
                 self.record = resumed_record(saved_settings(self.out)[0], self.record)
             write_record(self.out, self.record)
+            from .trackers import open_trackers
+
+            self.trackers = open_trackers(self.cfg, self.out, self.record, self.progress["step"] if resume else None)
 
     def _finish(self, lead: bool) -> None:
         """After the last step: the helper threads stopped, the final drafter written (rank 0)."""
@@ -435,4 +444,6 @@ class Trainer:
                 raise ValueError(f"could not write the final drafter in {self.out / 'drafter'} ({e.strerror}); "
                                  f"the checkpoint of step {self.saved_step} is kept: free space and rerun with "
                                  "--resume to write it") from None
+            if self.trackers:
+                self.trackers.close()
         barrier()
