@@ -37,7 +37,8 @@ def _mb(n: int) -> str:
 
 
 def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None], *, owned: Iterable[str] | None = None,
-               need_bytes: int = 0, owner: str = "blockdraft") -> Path:
+               need_bytes: int = 0, owner: str = "blockdraft", keep_old: Callable[[Path], Path | None] | None = None
+               ) -> Path:
     """Call write(tmp_dir), then swap tmp_dir into place; a crash at any moment leaves either the
     old directory or the new one complete (an old one swapped out is taken back by `recover_dir`).
 
@@ -46,7 +47,9 @@ def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None], *, owned
     given): anything else is refused before anything is written (`ownership.check_owned`).
     `need_bytes`: checked free before writing. The old directory is removed only after the new one
     is in place, so a swap needs room for both; a failed write (a full disk) removes the partial
-    new one and keeps the old. Temporaries a killed writer left beside `final` are removed first."""
+    new one and keeps the old. Temporaries a killed writer left beside `final` are removed first.
+    `keep_old(final)`: where the directory replaced goes instead of being removed (a path free on the
+    same disk, renamed there whole while the new one waits complete beside it), or None."""
     final = Path(final)
     check_owned(final, owner, owned)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -64,8 +67,9 @@ def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None], *, owned
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    kept = keep_old(final) if keep_old is not None and final.exists() else None
     if final.exists():
-        final.rename(old)
+        final.rename(old if kept is None else kept)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     return final

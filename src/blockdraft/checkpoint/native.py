@@ -41,25 +41,29 @@ def _state(drafter: DFlashDrafter, dtype: torch.dtype | None) -> dict:
             for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
 
 
-def _write(directory, config: dict, sd: dict, owner: str) -> Path:
+def _write(directory, config: dict, sd: dict, owner: str, extra: dict | None = None) -> Path:
     require_finite(sd, f"the drafter to write in {directory}", "nothing was written; retrain it or resume from an "
                    "earlier checkpoint with a lower --lr")  # a NaN drafter drafts nothing
+    extra = extra or {}
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "blockdraft"})
+        for name, text in extra.items():
+            (tmp / name).write_text(text)
 
     need = sum(v.numel() * v.element_size() for v in sd.values()) + 2**20
-    return atomic_dir(directory, write, owned=OWNED, need_bytes=need, owner=owner)
+    return atomic_dir(directory, write, owned=(*OWNED, *extra), need_bytes=need, owner=owner)
 
 
 def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, head_rows: torch.Tensor | None = None,
-                 dtype: torch.dtype | None = None, owner: str = "save_drafter") -> Path:
+                 dtype: torch.dtype | None = None, owner: str = "save_drafter", extra: dict | None = None) -> Path:
     """Write config.json + model.safetensors in the z-lab layout engines load (weights cast to `dtype`
     if given; ids stay integers). A draft vocabulary needs `head_rows`, the target head's rows for
     `drafter.draft_vocab` ([Vd, H], `TargetModel.head_rows`): written as `lm_head.weight` (in the
     weights' dtype) beside the `d2t` offsets. Only a directory `owner` wrote (its marker) is
-    replaced; any other is refused."""
+    replaced; any other is refused. `extra`: more files written with them (name -> text), in the same
+    swap."""
     cfg = drafter.config
     if cfg.draft_vocab_size and head_rows is None:
         raise ValueError(f"the drafter has a {cfg.draft_vocab_size}-token draft vocabulary: saving it needs the "
@@ -71,7 +75,7 @@ def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, head_r
                          f"draft vocabulary, [{cfg.draft_vocab_size}, {cfg.hidden_size}]")
     fmt, ex = formats.get(formats.NATIVE), Export(head_rows=None if head_rows is None else head_rows.detach().cpu())
     sd = fmt.write_weights({k: v.cpu() for k, v in _state(drafter, dtype).items()}, cfg, ex)
-    return _write(directory, fmt.write_config(cfg, ex), sd, owner)
+    return _write(directory, fmt.write_config(cfg, ex), sd, owner, extra)
 
 
 def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
