@@ -12,7 +12,8 @@ import blockdraft
 ROOT = Path(blockdraft.__file__).parent
 # DESIGN.md section 3, lowest first; a unit may import units of its own layer or below.
 LAYERS = (
-    ("__init__", "options", "locks", "process_group", "ownership", "atomic", "finite"),  # no blockdraft algorithm
+    ("__init__", "options", "locks", "process_group", "ownership", "atomic", "finite", "preempt"),  # no blockdraft
+    # algorithm
     ("config",),  # the drafter's side of the contract
     ("model", "target", "checkpoint", "pairing"),  # the two models and their files
     ("serving", "data", "engines", "generate", "bench"),  # who serves what, and what runs them (an engine's

@@ -545,15 +545,26 @@ def _rerun_hint(args) -> str:
     try:
         from pathlib import Path
 
-        from .train.state import find_checkpoint
+        from .train.retention import newest
 
-        out = Path(train_config(args, getattr(args, "argv", [])).train.out)
-        saved = find_checkpoint(out / "checkpoint") is not None
+        saved = newest(Path(train_config(args, getattr(args, "argv", [])).train.out)) is not None
     except (ValueError, OSError, AttributeError):
         saved = False
     if saved:
         return "rerun the same command with --resume to continue from the last checkpoint"
     return "no checkpoint was saved yet: rerun the same command (with --overwrite where it says a run is there)"
+
+
+def _preempted(args, e) -> int:
+    """A run stopped by SIGTERM, SIGUSR1 or a first Ctrl-C after saving: one line (rank 0), the
+    process group left together, exit code PREEMPTED."""
+    from .train.distributed import leave, world
+    from .preempt import PREEMPTED
+
+    if world()[0] == 0:
+        print(f"blockdraft {args.cmd}: {e}", file=sys.stderr)
+    leave()
+    return PREEMPTED
 
 
 def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
@@ -575,6 +586,7 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     from safetensors import SafetensorError
 
     from .engines.vllm.job import EngineFailed
+    from .preempt import Preempted
 
     if interrupted:  # an interrupt during the imports that a library caught and went on from
         raise KeyboardInterrupt
@@ -589,6 +601,8 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
 
         leave()  # after a clean finish only: a rank that failed must not wait for the others here
         return rc
+    except Preempted as e:  # a signal asked the run to stop: every rank saved the same step, and leaves
+        return _preempted(args, e)
     except (ValueError, OSError, SafetensorError, EngineFailed) as e:  # a user's mistake, the machine's, an
         # engine's: one line (an engine's names vLLM's own reason and its log), exit 2
         if args.debug:

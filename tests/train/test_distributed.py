@@ -158,9 +158,10 @@ def test_two_processes_match_one_process_with_accumulation(tmp_path):
         assert [s for s, _ in ev[0]] == [s for s, _ in ev[1]] == [2, 4, 5]
         assert [v for _, v in ev[1]] == pytest.approx([v for _, v in ev[0]], rel=1e-6), key
     check_shim(tmp_path / "two")
-    # replicated: per step one gradient bucket, one metrics reduction; one per evaluation
+    # replicated: per step one gradient bucket, one metrics reduction, one stop-or-save poll
+    # (blockdraft.preempt.poll); one per evaluation
     n_evals = sum(1 for m in a if "eval_tau" in m)
-    assert shim(tmp_path / "two", 0)["calls"]["all_reduce"] == 2 * 5 + n_evals
+    assert shim(tmp_path / "two", 0)["calls"]["all_reduce"] == 3 * 5 + n_evals
     from blockdraft.checkpoint import load_drafter
 
     w1 = load_drafter(tmp_path / "one" / "drafter").fc.weight
@@ -342,3 +343,61 @@ def test_ranks_that_built_different_drafters_are_stopped_before_training(tmp_pat
     spawn_ranks(differing_worker, 2, (2, free_port(), tmp_path), join=True)
     for r in range(2):
         assert "different initial drafters" in (tmp_path / f"r{r}.txt").read_text()
+
+
+def preempt_worker(rank, world, port, out, resume):
+    """One rank of a 6-step run whose rank 1 alone gets SIGTERM after step 3; --save-every-min 1 on
+    clocks that disagree (rank 1's says a save is due every step, rank 0's never): rank 0's decides.
+    Writes the step each rank stopped at to out/stopped-{rank}.json."""
+    import datetime
+    import itertools
+    import os
+    import signal
+    import types
+
+    import blockdraft.train.trainer as trainer_mod
+    from blockdraft.preempt import Preempted
+
+    ticks = itertools.count(0, 1000.0) if rank == 1 else itertools.repeat(0.0)
+    trainer_mod.time = types.SimpleNamespace(time=time.time, perf_counter=time.perf_counter,
+                                             monotonic=lambda: next(ticks))
+    # ranks that disagree on a step to stop or save at would wait on each other: an error soon, not a hang
+    with gloo_rank(rank, world, port, timeout=datetime.timedelta(seconds=60)):
+        tr = build(out, grad_accum=1, steps=6)
+        tr.cfg.save_every_min, tr.cfg.keep_checkpoints = 1.0, 10
+        real = tr.step
+
+        def step():
+            got = real()
+            if rank == 1 and tr.progress["step"] == 3 and not resume:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return got
+        tr.step = step
+        try:
+            tr.train(resume=resume)
+        except Preempted as e:
+            (out / f"stopped-{rank}.json").write_text(json.dumps([e.step, e.signame]))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_a_signal_on_one_rank_stops_both_at_one_step_and_resume_is_exact(tmp_path):
+    """Issue 43, item 3: SIGTERM reaching rank 1 only stops both ranks after the same step, its
+    checkpoint saved; a resume then gives the losses of a run never stopped (one process with the
+    ranks' accumulation: test_two_processes_match_one_process_with_accumulation)."""
+    one = build(tmp_path / "one", grad_accum=2, row_shards=2, steps=6)
+    one.train()
+    out = tmp_path / "two"
+    spawn_ranks(preempt_worker, 2, (2, free_port(), out, False), join=True)
+    stopped = [json.loads((out / f"stopped-{r}.json").read_text()) for r in range(2)]
+    assert stopped == [[3, "a signal another rank received"], [3, "SIGTERM"]]
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["progress"]["step"] == 3 and [m["step"] for m in metrics(out)] == [1, 2, 3]
+    for r in range(2):
+        (out / f"stopped-{r}.json").unlink()
+    spawn_ranks(preempt_worker, 2, (2, free_port(), out, True), join=True)
+    assert not any((out / f"stopped-{r}.json").exists() for r in range(2))  # the resumed run ends normally
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    # saved at steps 1 and 2, 3 (the stop), 4 and 6: none on rank 1's clock, which says one is due every step
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step")) == [
+        "step-0000001", "step-0000002", "step-0000003", "step-0000004"]
+    assert losses(out) == pytest.approx(losses(tmp_path / "one"), rel=1e-5, abs=1e-6)

@@ -52,3 +52,21 @@ def rank0_says(flag: bool) -> bool:
     t = torch.tensor([int(flag)], device=comm_device())
     dist.broadcast(t, 0)
     return bool(t.item())
+
+
+def poll(stop: bool, timed: bool) -> tuple[bool, bool]:
+    """(whether any rank was asked to stop, rank 0's `timed`: a time-based save is due): one
+    all-reduce of two numbers a step under a process group (the others' `timed` is not read), so
+    every rank stops and saves at the same step (`blockdraft.preempt`); the values themselves
+    outside one."""
+    import torch
+    import torch.distributed as dist
+
+    from .distributed import comm_device, grouped, world
+
+    if not grouped():
+        return stop, timed
+    t = torch.tensor([int(stop), int(timed and world()[0] == 0)], dtype=torch.int32, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    got = t.tolist()
+    return bool(got[0]), bool(got[1])

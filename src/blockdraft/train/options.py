@@ -32,6 +32,13 @@ class TrainConfig:
                              above=0, max=1)
     eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end)", min=1)
     save_every: int = opt(25, "checkpoint every N steps (and after the first and the last)", min=1)
+    save_every_min: float | None = opt(None, "also checkpoint when M minutes passed since the last one, whichever "
+                                             "of it and --save-every comes first (rank 0's clock decides for all "
+                                             "ranks)", above=0, metavar="M")
+    keep_checkpoints: int = opt(1, "resumable checkpoints kept: checkpoint/ the newest, the N-1 before it in "
+                                   "checkpoints/step-N/", min=1, metavar="N")
+    save_best: bool = opt(False, "also keep the drafter of the best held-out tau in best/ (best.json: its step and "
+                                 "tau)")
     seed: int = opt(0, "seed of the drafter's initialisation, the data order, the anchors and the split")
     gradient_checkpointing: bool = opt(False, "recompute the drafter layers in backward (less memory)")
     fsdp: bool = opt(False, "under torchrun: shard the drafter's parameters, gradients and optimizer state over "

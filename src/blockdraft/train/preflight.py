@@ -18,8 +18,8 @@ from pathlib import Path
 # settings a resumed run may change: how it runs and reports, never what it computes
 RESUMABLE = {
     "train": {"out", "resume", "overwrite", "progress", "eval_every", "save_every", "log_every", "eval_anchors",
-              "dist_timeout_min", "gradient_checkpointing", "fsdp", "backend",
-              "report_to", "report_required"},
+              "dist_timeout_min", "gradient_checkpointing", "fsdp", "backend", "save_every_min", "keep_checkpoints",
+              "save_best", "report_to", "report_required"},
     "target": {"device", "threads", "target_device_map", "offload_folder", "target_fsdp"},
     "data": {"skip_bad_lines", "memo_features", "max_eval_rows"},
     "drafter": set(),
@@ -66,6 +66,9 @@ def check_applied(cfg) -> None:
     target's layers are neither loaded nor run when a feature cache feeds the run, so they have
     nothing to shard and no outputs to keep; a sharded target runs every step, so nothing is kept."""
     memo_on = cfg.data.memo_features == "on"
+    if cfg.train.save_best and not (cfg.data.eval_fraction > 0 or cfg.data.eval_data or cfg.data.eval_features_cache):
+        raise ValueError("--save-best keeps the drafter of the best held-out tau, and this run holds no rows out "
+                         "(--eval-fraction 0): drop --save-best, or hold rows out")
     if cfg.data.features_cache and cfg.target.target_fsdp:
         raise ValueError("--target-fsdp shards the target's layers, and with --features-cache they never load (the "
                          "cache holds their outputs): drop --target-fsdp")
@@ -112,11 +115,11 @@ def check_resumed_settings(cfg) -> None:
     """--resume continues the run in --out exactly: a setting that would change what it computes
     (the learning rate, the schedule, the data, the drafter) must equal the one it started with,
     as its train_config.json records it (or, that file lost, the copy its checkpoint keeps)."""
+    from .retention import newest
     from .rundir import CONFIG_FILE, LENGTH, saved_settings
-    from .state import find_checkpoint
 
     out = Path(cfg.train.out)
-    if not cfg.train.resume or find_checkpoint(out / "checkpoint") is None and not (out / CONFIG_FILE).exists():
+    if not cfg.train.resume or newest(out) is None and not (out / CONFIG_FILE).exists():
         return  # nothing to continue: check_resume says so
     saved, recovered = saved_settings(out)
     lead = os.environ.get("RANK", "0") == "0"
@@ -179,7 +182,8 @@ def check_before_loading(cfg) -> None:
         from ..plan import drafter_sizes
         from .state import run_bytes
 
-        check_free_space(cfg.train.out, run_bytes(drafter_sizes(dc)["params"]), "the checkpoints and the final drafter")
+        check_free_space(cfg.train.out, run_bytes(drafter_sizes(dc)["params"], cfg.train.keep_checkpoints,
+                                                  cfg.train.save_best), "the checkpoints and the final drafter")
 
 
 def planned_drafter(cfg, hf):

@@ -79,8 +79,10 @@ class RunConfig:
 def check_resume(out: str | Path, resume: bool) -> None:
     """--resume needs a run to continue; say so before loading anything (and create nothing)."""
     from ..atomic import recover_dir
+    from .retention import newest
 
-    if resume and recover_dir(Path(out) / "checkpoint", "train") is None:
+    # checkpoint/ there (loading it names what is wrong with it), or a complete one kept
+    if resume and recover_dir(Path(out) / "checkpoint", "train") is None and newest(out) is None:
         raise ValueError(f"--resume: there is no checkpoint in {out}/checkpoint to continue; drop --resume to start "
                          "a new run there (with --overwrite where an earlier one is)")
 
@@ -88,10 +90,11 @@ def check_resume(out: str | Path, resume: bool) -> None:
 def check_resumed_state(out: Path) -> None:
     """The checkpoint's record and the metrics a resume reads, read now rather than after the target
     loaded: one line naming a damaged file (a torn last metrics line is repaired, and said, later)."""
+    from .retention import newest
     from .rundir import METRICS, metrics_lines
-    from .state import find_checkpoint, read_meta
+    from .state import read_meta
 
-    read_meta(find_checkpoint(out / "checkpoint") or out / "checkpoint")
+    read_meta(newest(out) or out / "checkpoint")
     if (out / METRICS).is_file():
         metrics_lines(out / METRICS, say=False)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ..finite import dumps_finite
 from ..ownership import claim, leftovers, open_private, remove_leftovers, replace_text, write_marker
-from .state import STATE_JSON, STATE_TENSORS, find_checkpoint, read_meta
+from .retention import BEST, BEST_JSON, KEPT, check_kept, newest
+from .state import STATE_JSON, STATE_TENSORS, read_meta
 
 CONFIG_FILE = "train_config.json"  # the run's own settings (trainer.py writes it, preflight.py reads it)
 
@@ -30,6 +31,8 @@ METRICS, SUMMARY = "metrics.jsonl", "summary.json"
 LAYOUT = {METRICS: None, CONFIG_FILE: None, SUMMARY: None, "loss.png": None, "slot_accuracy.png": None,
           "drafter": {"config.json": None, "model.safetensors": None},
           "checkpoint": {STATE_JSON: None, STATE_TENSORS: None},
+          KEPT: None,  # step-N directories (retention.check_kept)
+          BEST: {"config.json": None, "model.safetensors": None, BEST_JSON: None},
           # --report-to's stores (train.trackers), each the library's own
           "trackers.json": None, "tensorboard": None, "trackio": None, "wandb": None, "mlruns": None}
 
@@ -38,7 +41,8 @@ def holds_run(out: str | os.PathLike) -> bool:
     """Whether `out` holds a run: a checkpoint (also one a killed swap moved aside), a drafter, a
     summary or logged steps."""
     out = Path(out)
-    if any((out / n).exists() for n in ("checkpoint", "drafter", SUMMARY)) or leftovers(out / "checkpoint", ("old",)):
+    if any((out / n).exists() for n in ("checkpoint", "drafter", SUMMARY, KEPT, BEST)) or leftovers(
+            out / "checkpoint", ("old",)):
         return True
     metrics = out / METRICS
     return metrics.is_file() and metrics.stat().st_size > 0
@@ -48,8 +52,9 @@ def check_existing(out: Path, resume: bool, overwrite: bool) -> None:
     """A run already in `out` is never replaced implicitly."""
     if resume and overwrite:
         raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    check_kept(out)
     if not (resume or overwrite) and holds_run(out):
-        if find_checkpoint(out / "checkpoint") is None:
+        if newest(out) is None:
             raise ValueError(f"{out} holds a training run that saved no checkpoint yet (nothing to --resume); pass "
                              "--overwrite to replace it (or choose another --out)")
         raise ValueError(f"{out} already holds a training run; pass --resume to continue it or --overwrite to "
@@ -134,7 +139,7 @@ def saved_settings(out: str | os.PathLike) -> tuple[dict, str | None]:
         why = "it is not a run's settings"
     except (OSError, ValueError) as e:
         why = getattr(e, "strerror", None) or str(e)
-    ckpt = find_checkpoint(Path(out) / "checkpoint")
+    ckpt = newest(out)
     kept = read_meta(ckpt).get("settings") if ckpt is not None else None
     if _is_record(kept):
         return kept, f"{path} is unreadable ({why}); the run's settings were recovered from {ckpt / STATE_JSON}"

@@ -24,12 +24,13 @@ STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, drafter_state: dict | None = None,
                optimizer_state: dict | None = None, need_bytes: int = 0, owner: str = "train",
-               settings: dict | None = None) -> Path:
+               settings: dict | None = None, keep_old=None) -> Path:
     """`drafter_state`/`optimizer_state`: full states gathered from a sharded run (else taken from
     the objects). `need_bytes`: free space checked before anything is written. `owner`: the
     command whose marker the directory carries (only such a directory is replaced). `settings`: the
     run's recorded settings (train_config.json's), kept with the state so a resume can still compare
-    against them when that file is lost."""
+    against them when that file is lost. `keep_old`: where the checkpoint replaced goes (`atomic_dir`;
+    None: removed)."""
     sd = drafter.state_dict() if drafter_state is None else drafter_state
     tensors: dict[str, torch.Tensor] = {f"drafter.{k}": _host_copy(v) for k, v in sd.items()}
     tensors["drafter_feature_scale"] = _host_copy(drafter.feature_scale)
@@ -48,7 +49,7 @@ def save_state(directory: str | Path, *, drafter, optimizer, progress: dict, dra
         (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1))
 
     return atomic_dir(directory, write, owned=(STATE_JSON, STATE_TENSORS), need_bytes=need_bytes,
-                      owner=owner)
+                      owner=owner, keep_old=keep_old)
 
 
 def checkpoint_bytes(params: int) -> int:
@@ -57,10 +58,10 @@ def checkpoint_bytes(params: int) -> int:
     return 3 * params * 4 + 2**20
 
 
-def run_bytes(params: int) -> int:
-    """The disk a run needs: two checkpoints (a swap holds the old one until the new one is whole)
-    and the final drafter."""
-    return 2 * checkpoint_bytes(params) + checkpoint_bytes(params) // 3
+def run_bytes(params: int, keep: int = 1, best: bool = False) -> int:
+    """The disk a run needs: the `keep` checkpoints it keeps and one more (a swap holds the old one
+    until the new one is whole), the final drafter and, with `best`, the best one."""
+    return (keep + 1) * checkpoint_bytes(params) + (1 + best) * (checkpoint_bytes(params) // 3)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

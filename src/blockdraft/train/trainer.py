@@ -17,11 +17,13 @@ from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
 from ..finite import check_step
 from ..ownership import write_text
+from ..preempt import Preempted, StopSignals
 from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
                           gradient_sync, grouped, world)
-from .cadence import Cadence, rank0_says
+from .cadence import Cadence, poll, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
 from .options import TrainConfig
+from .retention import BEST, BEST_JSON, best_record, keeper, newest, prune, read_best
 from .rundir import append_metrics, resumed_record, saved_settings, truncate_metrics, write_record
 from .state import checkpoint_bytes, load_state, run_bytes, save_state
 from .step import compute_loss, plan_host
@@ -97,6 +99,8 @@ class Trainer:
         self.opt = self._optimizer()
         self.progress = {"step": 0, "tokens": 0, "elapsed": 0.0}
         self.saved_step = 0  # the step of the last complete checkpoint (0: none yet)
+        self.best: dict | None = None  # --save-best: {"step", "eval_tau"} of the drafter in best/
+        self._saved_at = time.monotonic()  # when the last checkpoint was written (--save-every-min)
         # the rows are split into `row_shards` fixed parts (default: one per rank), and rank r draws
         # only from part r: a rank's stored target outputs (the memo) hold its part, not every row
         self.row_shards = cfg.row_shards or self.world
@@ -291,9 +295,11 @@ class Trainer:
             barrier()
             return
         step = self.progress["step"]
+        keep = self.cfg.keep_checkpoints
         try:  # a swap holds the old checkpoint until the new one is complete: room for two
             save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress,
-                       need_bytes=2 * self.checkpoint_bytes(), settings=self.record, **states)
+                       need_bytes=2 * self.checkpoint_bytes(), settings=self.record,
+                       keep_old=keeper(self.out, keep), **states)
         except (OSError, ValueError) as e:
             kept = self.saved_step
             raise ValueError(f"could not write the checkpoint of step {step} in {self.ckpt_dir} "
@@ -303,12 +309,20 @@ class Trainer:
         self.saved_step = step
         if self.trackers:  # the steps up to this checkpoint: those a --resume keeps
             self.trackers.flush()
+        prune(self.out, keep, step)  # the oldest beyond --keep-checkpoints, once the newest is in place
         barrier()
 
     def resume(self) -> None:
+        """From the newest complete checkpoint (`retention.newest`), saying which (rank 0)."""
+        import sys
+
         barrier()  # every rank reads the checkpoint rank 0 finished writing
-        self.progress = load_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt)
+        say = (lambda line: print(f"blockdraft train: warning: {line}", file=sys.stderr)) if self.rank == 0 else None
+        path = newest(self.out, say) or self.ckpt_dir
+        self.progress = load_state(path, drafter=self.drafter, optimizer=self.opt)
         self.saved_step = self.progress["step"]
+        if self.rank == 0:
+            print(f"train: resuming from {path} (step {self.saved_step})", flush=True)
         if self.rank == 0:  # one writer (DESIGN.md section 5, rule 5); the others wait below
             truncate_metrics(self.out, self.progress["step"])
         barrier()
@@ -379,40 +393,95 @@ class Trainer:
                    desc="train", unit="step", dynamic_ncols=True)
         last_eval: dict = {}
         t0 = time.time() - self.progress["elapsed"]
-        while self.progress["step"] < self.total:
-            m = self.step()
-            self.progress["elapsed"] = time.time() - t0
-            m["elapsed"] = self.progress["elapsed"]
-            step = self.progress["step"]
-            # every rank evaluates its share of the held-out rows; rank 0 logs
-            if self.eval_rows is not None and self.eval_cadence.due(step, self.total):
-                bar.set_description("train (evaluating)")
-                self._begin_eval(step)
-                last_eval = self.eval_cadence.run(lambda: evaluate(
-                    self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch, self.eval_features,
-                    collective_forward=self.collective_forward))
-                bar.set_description("train")
-                m.update(last_eval)
-            if step % self.cfg.log_every == 0 or "eval_tau" in m:
-                self.log(m)
-            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}", tau=f"{m['tau']:.2f}",
-                            **({"eval_tau": f"{last_eval['eval_tau']:.2f}"} if last_eval else {}))
-            bar.update(1)
-            if self.save_cadence.due(step, self.total):
-                self.save_cadence.run(self.save)
-        bar.close()
-        self._finish(lead)
+        self._saved_at = time.monotonic()
+        with StopSignals(lead) as signals:  # SIGTERM, SIGUSR1, a first Ctrl-C: save this step and stop
+            while self.progress["step"] < self.total:
+                m = self.step()
+                self.progress["elapsed"] = time.time() - t0
+                m["elapsed"] = self.progress["elapsed"]
+                step = self.progress["step"]
+                stop, timed = poll(signals.got is not None, self._timed_save_due())  # every rank's, agreed
+                if stop and step < self.total:
+                    bar.close()
+                    self._stop(m, signals.got)
+                got = self._evaluate(step, m, bar)
+                last_eval = last_eval if got is None else got
+                if step % self.cfg.log_every == 0 or "eval_tau" in m:
+                    self.log(m)
+                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}", tau=f"{m['tau']:.2f}",
+                                **({"eval_tau": f"{last_eval['eval_tau']:.2f}"} if last_eval else {}))
+                bar.update(1)
+                if self.save_cadence.due(step, self.total) or timed:
+                    self._save_now()
+            bar.close()
+            self._finish(lead)
         return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
+
+    def _evaluate(self, step: int, m: dict, bar) -> dict | None:
+        """The held-out evaluation where due (None where not): every rank evaluates its share, rank 0
+        logs; then --save-best's drafter."""
+        if self.eval_rows is None or not self.eval_cadence.due(step, self.total):
+            return None
+        bar.set_description("train (evaluating)")
+        self._begin_eval(step)
+        got = self.eval_cadence.run(lambda: evaluate(
+            self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch, self.eval_features,
+            collective_forward=self.collective_forward))
+        bar.set_description("train")
+        m.update(got)
+        if self.cfg.save_best and "eval_tau" in got:
+            self._keep_best(step, got["eval_tau"])
+        return got
+
+    def _keep_best(self, step: int, tau: float) -> None:
+        """--save-best: a held-out tau above the best so far puts this drafter in best/, swapped in
+        whole with best.json (the same verdict on every rank: the tau is all-reduced; gathering a
+        sharded drafter is a collective)."""
+        if self.best is not None and tau <= self.best["eval_tau"]:
+            return
+        plain = self.plain_drafter()
+        if self.rank == 0:
+            save_drafter(plain, self.out / BEST, owner="train", head_rows=self._head_rows(plain),
+                         extra={BEST_JSON: best_record(step, tau)})
+        self.best = {"step": step, "eval_tau": tau}
+        barrier()
+
+    def _head_rows(self, drafter):
+        return self.target.head_rows(drafter.draft_vocab) if drafter.config.draft_vocab_size else None
+
+    def _timed_save_due(self) -> bool:
+        """--save-every-min: this rank's clock says a save is due (rank 0's decides for all: `poll`)."""
+        every = self.cfg.save_every_min
+        return every is not None and time.monotonic() - self._saved_at >= 60 * every
+
+    def _save_now(self) -> None:
+        self.save_cadence.run(self.save)
+        self._saved_at = time.monotonic()
+
+    def _stop(self, m: dict, signame: str | None) -> None:
+        """A stop was asked on some rank: this step logged (its held-out evaluation, if due, skipped:
+        the save comes first) and saved by every rank, the helper threads stopped; raises Preempted."""
+        step = self.progress["step"]
+        if step % self.cfg.log_every == 0:
+            self.log(m)
+        if self.saved_step != step:
+            self._save_now()
+        self._close_helpers()
+        if self.trackers:  # what they hold up to the checkpoint was flushed by the save
+            self.trackers.close()
+        raise Preempted(step, signame or "a signal another rank received", self.ckpt_dir)
 
     def _start(self, resume: bool, lead: bool) -> None:
         """Before the first step: room for the checkpoints, the resumed or fresh state, one drafter on
         every rank (then sharded), the run's config written."""
         self.out.mkdir(parents=True, exist_ok=True)
-        if lead:  # found now, not after hours: two checkpoints (the swap) and the final drafter
-            check_free_space(self.out, run_bytes(sum(p.numel() for p in self.drafter.parameters())),
+        if lead:  # found now, not after hours: the checkpoints kept and one more (the swap), the drafters
+            check_free_space(self.out, run_bytes(sum(p.numel() for p in self.drafter.parameters()),
+                                                 self.cfg.keep_checkpoints, self.cfg.save_best),
                              "the checkpoints and the final drafter")
         if resume:
             self.resume()
+            self.best = read_best(self.out) if self.cfg.save_best else None
         else:
             self.drafter.set_feature_scale(self.feature_scale(), keep_function=self.keep_function)
             if lead:
@@ -431,15 +500,11 @@ class Trainer:
 
     def _finish(self, lead: bool) -> None:
         """After the last step: the helper threads stopped, the final drafter written (rank 0)."""
-        if self._prefetch is not None:
-            self._prefetch.close()
-        if self._planner is not None:
-            self._planner.shutdown()
+        self._close_helpers()
         final = self.plain_drafter()
         if lead:
-            rows = self.target.head_rows(final.draft_vocab) if final.config.draft_vocab_size else None
             try:
-                save_drafter(final, self.out / "drafter", owner="train", head_rows=rows)
+                save_drafter(final, self.out / "drafter", owner="train", head_rows=self._head_rows(final))
             except OSError as e:
                 raise ValueError(f"could not write the final drafter in {self.out / 'drafter'} ({e.strerror}); "
                                  f"the checkpoint of step {self.saved_step} is kept: free space and rerun with "
@@ -447,3 +512,10 @@ class Trainer:
             if self.trackers:
                 self.trackers.close()
         barrier()
+
+    def _close_helpers(self) -> None:
+        """The feature prefetcher and the planning thread stopped (after the last step or a stop)."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+        if self._planner is not None:
+            self._planner.shutdown()

@@ -1,0 +1,68 @@
+"""Stopping a run cleanly when asked (issue 43, item 3): SIGTERM or SIGUSR1 (what SLURM and
+Kubernetes send before they kill a job) or a first Ctrl-C. Every rank finishes the step it is in,
+a resumable checkpoint of that step is written, and the command exits with `PREEMPTED` (75,
+sysexits' EX_TEMPFAIL: "try again later"; success is 0, an error 1 or 2, Ctrl-C 130), after which
+`train --resume` continues exactly. A second Ctrl-C stops at once (exit 130), losing nothing that
+was finished: the checkpoint being written is a temporary until it is whole.
+
+The signal may reach one rank only (or the launcher, which forwards it to all): once per optimizer
+step every rank contributes its flag to one small all-reduce (`train.cadence.poll`), which also
+carries rank 0's verdict on the time-based save (--save-every-min), so all ranks stop, and save, at
+the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+PREEMPTED = 75  # the exit code of a run stopped by a signal after saving its checkpoint
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after step `step`, its checkpoint saved in `path`."""
+
+    def __init__(self, step: int, signame: str, path):
+        self.step, self.signame, self.path = step, signame, path
+        super().__init__(f"stopped by {signame} after step {step}: its checkpoint is {path}; rerun the same command "
+                         f"with --resume to continue (exit code {PREEMPTED})")
+
+
+class StopSignals:
+    """While entered (in the main thread): SIGTERM, SIGUSR1 and a first SIGINT only note that a stop
+    was asked; a second SIGINT goes to the handler that was there before (the CLI's: exit 130), or
+    raises KeyboardInterrupt. `lead`: this process says on stderr that it is stopping."""
+
+    def __init__(self, lead: bool = True):
+        self.lead, self.got, self._before = lead, None, {}
+
+    def _note(self, signum, frame):
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.got is not None:
+            before = self._before.get(signum)
+            if callable(before):
+                return before(signum, frame)
+            raise KeyboardInterrupt
+        if self.got is None:
+            self.got = name
+            if self.lead:  # os.write: safe inside a handler, where print may be mid-write
+                again = "; Ctrl-C again to stop at once" if name == "SIGINT" else ""
+                os.write(2, f"blockdraft train: {name}: stopping after this step and saving a checkpoint"
+                            f"{again}\n".encode())
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for name in SIGNALS:
+                num = getattr(signal, name, None)
+                if num is not None:
+                    self._before[num] = signal.signal(num, self._note)
+        return self
+
+    def __exit__(self, *exc):
+        for num, before in self._before.items():
+            signal.signal(num, before if before is not None else signal.SIG_DFL)
+        self._before.clear()
+        return False
+

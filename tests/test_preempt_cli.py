@@ -1,0 +1,78 @@
+"""`blockdraft train` stopped by SIGTERM (issue 43, item 3): it finishes the step, saves it, says so
+in one line and exits with code 75 within a bound; `--resume` says which checkpoint it takes and
+ends with the losses of a run never stopped. The new settings (--keep-checkpoints, --save-best,
+--save-every-min) come from a --config file as from flags and are recorded in train_config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from blockdraft.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ["--max-length", "128", "--batch-tokens", "256", "--max-anchors", "16", "--draft-vocab", "full",
+         "--eval-every", "4", "--save-every", "5", "--no-progress", "--threads", "1", "--eval-fraction", "0.1"]
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_saves_the_step_exits_75_and_resume_is_exact(tmp_path, tiny_target_dir, chat_data, capsys):
+    base = ["train", "--target", tiny_target_dir, "--data", chat_data, "--steps", "8", *TRAIN]
+    assert main([*base, "--out", str(tmp_path / "ref")]) == 0
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "blockdraft", *base, "--out", str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # a step after step 1's save
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.05)
+    sent = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    took = time.monotonic() - sent
+    assert p.returncode == 75, err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    step = json.loads((out / "checkpoint" / "trainer_state.json").read_text())["progress"]["step"]
+    assert line == (f"blockdraft train: stopped by SIGTERM after step {step}: its checkpoint is {out / 'checkpoint'}; "
+                    "rerun the same command with --resume to continue (exit code 75)"), err
+    assert 2 <= step < 8 and len(losses(out)) == step
+    assert took < 30, took  # one step of this run and one save
+    print(f"SIGTERM to exit: {took:.2f} s")
+    capsys.readouterr()
+    assert main([*base, "--out", str(out), "--resume"]) == 0
+    assert f"train: resuming from {out / 'checkpoint'} (step {step})" in capsys.readouterr().out
+    assert losses(out) == pytest.approx(losses(tmp_path / "ref"), rel=1e-6, abs=1e-7)
+
+
+def test_the_new_settings_come_from_a_config_file_and_are_recorded(tmp_path, tiny_target_dir, chat_data, capsys):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"train": {"keep_checkpoints": 2, "save_best": True, "save_every_min": 30.0}}))
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(cfg), "--target", tiny_target_dir, "--data", chat_data, "--steps", "5",
+            "--out", str(out), *TRAIN]
+    assert main(argv) == 0
+    rec = json.loads((out / "train_config.json").read_text())["train"]
+    assert (rec["keep_checkpoints"], rec["save_best"], rec["save_every_min"]) == (2, True, 30.0)
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step")] == ["step-0000001"]
+    assert json.loads((out / "best" / "best.json").read_text())["step"] in (4, 5)
+    # resumable settings: a resume may change them
+    assert main([*argv, "--steps", "6", "--resume", "--keep-checkpoints", "1"]) == 0
+    assert not any(p.name.startswith("step") for p in (out / "checkpoints").iterdir())
+    capsys.readouterr()
+    assert main(["train", "--target", tiny_target_dir, "--data", chat_data, "--steps", "2", "--save-best",
+                 "--out", str(tmp_path / "none"), *TRAIN[:-2], "--eval-fraction", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--save-best" in err and "holds no rows out" in err, err

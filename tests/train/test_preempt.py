@@ -1,0 +1,74 @@
+"""Preemption (issue 43, item 3): SIGTERM, SIGUSR1 or a first Ctrl-C finishes the step, saves it and
+stops with Preempted (the CLI's exit code 75); --resume then trains exactly as a run never stopped.
+A second Ctrl-C stops at once, keeping the last complete checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from blockdraft.preempt import Preempted
+from conftest import make
+
+
+def losses(out):
+    return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_of(path):
+    return json.loads((path / "trainer_state.json").read_text())["progress"]["step"]
+
+
+def signal_after(tr, step, *signums):
+    """Send this process `signums` as soon as step `step` is done (inside the trainer's step, as a
+    signal arriving at any moment of it would be seen)."""
+    real = tr.step
+
+    def step_():
+        got = real()
+        if tr.progress["step"] == step:
+            for s in signums:
+                os.kill(os.getpid(), s)
+        return got
+
+    tr.step = step_
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("preempt") / "ref"
+    tr = make(out, steps=6)
+    tr.train()
+    return out, tr.drafter.fc.weight.detach().clone()
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_signal_saves_the_step_stops_and_resumes_exactly(tmp_path, reference, name):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    tr = make(tmp_path, steps=6)
+    signal_after(tr, 3, getattr(signal, name))  # save_every 2: step 3 is no step-based save
+    with pytest.raises(Preempted) as got:
+        tr.train()
+    assert (got.value.step, got.value.signame) == (3, name)
+    assert "exit code 75" in str(got.value) and "--resume" in str(got.value)
+    assert step_of(tmp_path / "checkpoint") == 3 and len(losses(tmp_path)) == 3
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers given back
+    again = make(tmp_path, steps=6)
+    again.train(resume=True)
+    assert losses(tmp_path) == pytest.approx(losses(reference[0]), rel=1e-6, abs=1e-7)
+    assert torch.equal(again.drafter.fc.weight, reference[1])
+
+
+def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path, reference):
+    tr = make(tmp_path, steps=6)
+    signal_after(tr, 3, signal.SIGINT, signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        tr.train()
+    assert step_of(tmp_path / "checkpoint") == 2  # step 3 not saved: stopped at once
+    again = make(tmp_path, steps=6)
+    again.train(resume=True)
+    assert losses(tmp_path) == pytest.approx(losses(reference[0]), rel=1e-6, abs=1e-7)
