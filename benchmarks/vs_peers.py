@@ -1,6 +1,6 @@
 """One training step of blockdraft, SpecForge 0.2.0 and speculators 0.9.0 side by side, in one run.
 
-Each trainer runs in its own environment (blockdraft: the project's; SpecForge: `.venv-ref-sf`;
+Each trainer runs in its own environment (blockdraft: the project's; SpecForge: `.venv-ref-spec`, installed there --no-deps;
 speculators: `.venv-ref-spec`), in a fresh process per configuration, on one thread, with the same
 shapes: SmolLM2-135M's (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocabulary 49,152),
 features from 5 target layers, block 16, one packed sequence of random tokens, every token learned.
@@ -41,7 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[1]
-PYTHONS = {"blockdraft": Path(sys.executable), "specforge": ROOT / ".venv-ref-sf" / "bin" / "python",
+PYTHONS = {"blockdraft": Path(sys.executable), "specforge": ROOT / ".venv-ref-spec" / "bin" / "python",
            "speculators": ROOT / ".venv-ref-spec" / "bin" / "python"}
 H, HEADS, KV, HEAD_DIM, MLP, V, TARGET_LAYERS, F, B = 576, 9, 3, 64, 1536, 49152, 30, 5, 16
 FEATURE_LAYERS = [1, 8, 15, 22, 28]  # blockdraft's ids (transformers' hidden_states[L + 1])
