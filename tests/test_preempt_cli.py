@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockdraft.cli import main
 
@@ -76,3 +77,46 @@ def test_the_new_settings_come_from_a_config_file_and_are_recorded(tmp_path, tin
                  "--out", str(tmp_path / "none"), *TRAIN[:-2], "--eval-fraction", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--save-best" in err and "holds no rows out" in err, err
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_keeps_whole_checkpoints_and_best_and_resumes(tmp_path, tiny_target_dir, chat_data):
+    """--keep-checkpoints 2 --save-best under SIGKILL at random moments: every kept checkpoint and the
+    best drafter left is whole, and --resume ends with the uncut run's drafter and best."""
+    import random
+
+    from safetensors.torch import load_file
+
+    from blockdraft.checkpoint import load_drafter
+
+    base = ["-m", "blockdraft", "train", "--target", tiny_target_dir, "--data", chat_data, "--steps", "10",
+            "--keep-checkpoints", "2", "--save-best", *TRAIN[:8], "--eval-every", "2", "--save-every", "2",
+            *TRAIN[12:]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    assert subprocess.run([sys.executable, *base, "--out", str(tmp_path / "ref")], env=env).returncode == 0
+    wall, rng = time.monotonic() - t0, random.Random(1)
+    ref = load_file(str(tmp_path / "ref" / "drafter" / "model.safetensors"))
+    for trial in range(3):
+        out = tmp_path / f"kill{trial}"
+        p = subprocess.Popen([sys.executable, *base, "--out", str(out)], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        try:
+            p.wait(timeout=rng.uniform(0.5, 0.95) * wall)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        kept = [out / "checkpoint"] + sorted((out / "checkpoints").glob("step-*"))
+        for d in (k for k in kept if k.exists()):
+            load_file(str(d / "trainer_state.safetensors"))
+            json.loads((d / "trainer_state.json").read_text())
+        if (out / "best").exists():
+            load_drafter(out / "best")
+            json.loads((out / "best" / "best.json").read_text())
+        again = "--resume" if any(k.exists() for k in kept) else "--overwrite"
+        assert subprocess.run([sys.executable, *base, "--out", str(out), again], env=env).returncode == 0
+        got = load_file(str(out / "drafter" / "model.safetensors"))
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), trial
+        assert json.loads((out / "best" / "best.json").read_text()) == json.loads(
+            (tmp_path / "ref" / "best" / "best.json").read_text())
+        assert len(list((out / "checkpoints").glob("step-*"))) == 1
