@@ -120,3 +120,35 @@ def test_kill_9_at_random_points_keeps_whole_checkpoints_and_best_and_resumes(tm
         assert json.loads((out / "best" / "best.json").read_text()) == json.loads(
             (tmp_path / "ref" / "best" / "best.json").read_text())
         assert len(list((out / "checkpoints").glob("step-*"))) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_is_exact(tmp_path, tiny_target_dir, chat_data):
+    """torchrun forwards SIGTERM to its 2 gloo ranks: both save the same step and exit (rank 0 says
+    so); a resume under torchrun ends with the losses of an uncut 2-rank run."""
+    from conftest import free_port
+
+    def launch(out, *more):
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(free_port()), "-m", "blockdraft", "train", "--target",
+                                 tiny_target_dir, "--data", chat_data, "--steps", "8", *TRAIN, "--out", str(out),
+                                 *more], env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    ref = launch(tmp_path / "ref")
+    assert ref.communicate(timeout=600) and ref.returncode == 0
+    out = tmp_path / "run"
+    p = launch(out)
+    deadline = time.monotonic() + 600
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    step = json.loads((out / "checkpoint" / "trainer_state.json").read_text())["progress"]["step"]
+    assert f"blockdraft train: stopped by SIGTERM after step {step}" in err, err[-3000:]
+    assert len(losses(out)) == step < 8
+    again = launch(out, "--resume")
+    said, err = again.communicate(timeout=600)
+    assert again.returncode == 0 and f"train: resuming from {out / 'checkpoint'} (step {step})" in said, err[-3000:]
+    assert losses(out) == pytest.approx(losses(tmp_path / "ref"), rel=1e-6, abs=1e-7)
