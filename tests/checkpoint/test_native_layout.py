@@ -173,3 +173,18 @@ def test_a_load_during_a_save_waits_for_the_swap_and_reads_one_whole_version(tmp
     assert torch.equal(got[0].fc.weight, load_drafter(path).fc.weight)
     assert not torch.equal(got[0].fc.weight, a.fc.weight)  # the new version, whole
 
+
+
+def test_a_loaded_drafter_saves_back_as_it_was_without_its_target(tmp_path):
+    """The Python API's round trip: save_drafter(load_drafter(D), DIR) writes D's tensors again."""
+    src = load_drafter("default")
+    assert src.config.draft_vocab_size  # a draft vocabulary: the head rows come from the loaded directory
+    out = save_drafter(src, tmp_path / "again", dtype=torch.bfloat16)
+    from blockdraft.checkpoint.native import DEFAULT_DRAFTER
+
+    a, b = tensors(DEFAULT_DRAFTER), tensors(out)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():  # another draft vocabulary than the one loaded: the rows no longer fit
+        src.draft_vocab[0] = (src.draft_vocab[0] + 1) % src.config.vocab_size
+    with pytest.raises(ValueError, match="head_rows"):
+        save_drafter(src, tmp_path / "changed")

@@ -66,6 +66,8 @@ def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, head_r
     swap."""
     cfg = drafter.config
     if cfg.draft_vocab_size and head_rows is None:
+        head_rows = _loaded_rows(drafter)
+    if cfg.draft_vocab_size and head_rows is None:
         raise ValueError(f"the drafter has a {cfg.draft_vocab_size}-token draft vocabulary: saving it needs the "
                          "target's head rows for it, head_rows=target.head_rows(drafter.draft_vocab)")
     if head_rows is not None and not cfg.draft_vocab_size:
@@ -76,6 +78,15 @@ def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, head_r
     fmt, ex = formats.get(formats.NATIVE), Export(head_rows=None if head_rows is None else head_rows.detach().cpu())
     sd = fmt.write_weights({k: v.cpu() for k, v in _state(drafter, dtype).items()}, cfg, ex)
     return _write(directory, fmt.write_config(cfg, ex), sd, owner, extra)
+
+
+def _loaded_rows(drafter: DFlashDrafter) -> torch.Tensor | None:
+    """The target head's rows a loaded directory held for the drafter's draft vocabulary (the same
+    ids still), so a loaded drafter saves back without its target (`load_drafter`)."""
+    got = getattr(drafter, "loaded_head_rows", None)
+    if got is None or not torch.equal(got[0].cpu(), drafter.draft_vocab.cpu().to(got[0].dtype)):
+        return None
+    return got[1]
 
 
 def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
@@ -176,6 +187,9 @@ def load_drafter(dir_or_name: str | os.PathLike = "default", *, device=None, dty
         drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         raise ValueError(f"{path / WEIGHTS} does not fit its config: {str(e).splitlines()[-1].strip()}") from None
+    rows = raw.get("lm_head.weight")
+    if cfg.draft_vocab_size and rows is not None and tuple(rows.shape) == (cfg.draft_vocab_size, cfg.hidden_size):
+        drafter.loaded_head_rows = (sd["draft_vocab"].clone(), rows)  # what save_drafter writes back
     return drafter.to(device=device, dtype=dtype).eval()
 
 
