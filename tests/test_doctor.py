@@ -160,6 +160,23 @@ def test_data_check_catches_user_tokens_in_the_loss(monkeypatch, tmp_path, smoll
     assert doctor.check_data(t, str(path)).status == "FAIL"
 
 
+def test_data_check_fails_a_file_train_refuses(tmp_path, smollm2_tokenizer):
+    """doctor reads --data as train does: a malformed record is train's error, so never a PASS."""
+    from blockdraft.data import load_conversations
+    from blockdraft.target import TargetModel
+
+    tok = smollm2_tokenizer
+    t = TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3)
+    path = tmp_path / "d.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "Name a prime."},
+                                    {"role": "assistant", "content": "7."}]})
+    path.write_text(good + "\n" + '{"messages": [{"role": "user"' + "\n")
+    with pytest.raises(ValueError) as refused:  # what train's loader says of it
+        load_conversations(str(path))
+    got = doctor.check_data(t, str(path))
+    assert got.status == "FAIL" and str(refused.value) in got.message
+
+
 def test_cli_exit_code(tmp_path):
     from blockdraft.cli import main
 

@@ -300,7 +300,10 @@ def check_data(target, path: str | None) -> Check:
     tok = target.tokenizer
     if not has_chat_template(tok):
         return Check("data", WARN, "the tokenizer has no chat template: a plain fallback is used", "set a template")
-    convs, _ = load_conversations(path, skip_bad_lines=True)
+    try:  # read as train reads it (a malformed record refused, not skipped), so doctor passes what train takes
+        convs, _ = load_conversations(path)
+    except ValueError as e:
+        return Check("data", FAIL, f"train refuses it: {e}", "fix or remove the record, or train with --skip-bad-lines")
     for c in convs[:20]:
         r = render(tok, c)
         ids = [i for i, m in zip(r["input_ids"], r["loss_mask"]) if m]
