@@ -3,7 +3,14 @@ the imports of torch and transformers included."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from blockdraft.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
@@ -44,3 +51,28 @@ def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(tmp_path, monkeypatc
     whole = getattr(sys.modules.get("slow_module"), "whole", False)
     assert whole and not reached  # the module imported whole, the interrupt right after it
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_rank_that_left_its_group_exits_with_its_code_after_the_atexit_work(tmp_path):
+    """cli.exit_after_group: the atexit work runs (trackers, logs), stdout is flushed, the code is
+    the run's, and nothing of the interpreter's teardown runs after it (a finaliser would print)."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "import blockdraft.train.distributed as d\n"
+        "from blockdraft.cli import exit_after_group\n"
+        "class Late:\n"
+        "    def __del__(self):\n"
+        "        print('teardown ran', flush=True)\n"
+        "keep = Late()\n"
+        f"atexit.register(lambda: open({str(tmp_path / 'atexit')!r}, 'w').write('ran'))\n"
+        "exit_after_group(0)  # not in a group: returns\n"
+        "print('still here', end='')\n"
+        "d._LEFT = True\n"
+        "exit_after_group(75)\n"
+        "print('never')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("BLOCKDRAFT_FULL_TEARDOWN", None)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 75 and r.stdout == "still here", (r.returncode, r.stdout, r.stderr)
+    assert (tmp_path / "atexit").read_text() == "ran"

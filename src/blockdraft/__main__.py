@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":  # engines that spawn processes (vLLM) re-import the main module
-    sys.exit(main())
+    sys.exit(entry())

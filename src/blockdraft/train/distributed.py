@@ -59,14 +59,24 @@ def init_from_env(device: str, timeout_min: float | None = None, gpu_offset: int
     return dist.get_rank(), dist.get_world_size(), device
 
 
+_LEFT = False  # this process left a group it had joined (cli.entry then exits without the teardown)
+
+
 def leave() -> None:
     """Leave the process group this module joined (at the end of a command)."""
+    global _LEFT
     if joined() and grouped():
         # every rank gets here only after a clean finish; leaving together keeps a rank's teardown
         # from cutting a peer's connection while it still sends (gloo aborts the peer then)
         dist.barrier()
         dist.destroy_process_group()
+        _LEFT = True
     set_comm_device(None)
+
+
+def left_group() -> bool:
+    """Whether this process joined a process group and left it (`leave`)."""
+    return _LEFT
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
