@@ -620,11 +620,14 @@ def entry() -> int:
 
 def exit_after_group(rc: int) -> None:
     """A process that ran in a torch.distributed group and left it (a torchrun rank's finished or
-    preempted run) exits here, after the atexit work, without the interpreter's teardown: torch
-    2.11's teardown of a gloo group whose modules FSDP sharded aborted the process (SIGABRT,
-    'terminate called without an active exception') after a clean finish in about 1 run of 4, with
-    no Python frame left (benchmarks/exit_check.sh). Everything the run wrote is closed and synced
-    by then; the launcher reads this exit code."""
+    preempted run) exits here, after the atexit work, without the interpreter's teardown. There, a
+    gloo worker thread of the group (still running after destroy_process_group: something, FSDP's
+    state most likely, holds the group) released the last barrier's work, and with it all-gather works
+    and their tensors; dropping a tensor's Python object takes the GIL, which a finalizing
+    interpreter refuses by ending the thread inside a noexcept destructor: std::terminate, SIGABRT
+    'terminate called without an active exception' after a clean finish (core dump read with gdb;
+    torch 2.11, about 1 run in 8 here: benchmarks/exit_check.sh). Everything the run wrote is
+    closed and synced by then; the launcher reads this exit code."""
     d = sys.modules.get("blockdraft.train.distributed")
     if d is None or not d.left_group() or os.environ.get("BLOCKDRAFT_FULL_TEARDOWN"):  # that: the check's control
         return
