@@ -28,6 +28,7 @@ from ..atomic import check_free_space
 from ..finite import require_finite
 from ..ownership import MARKER as OWNER_MARKER
 from ..ownership import check_owned, is_temp, open_private, read_marker, remove_leftovers_in, temp_path, write_marker
+from ..process_group import grouped
 
 MANIFEST = "manifest.json"
 ENGINE_STATES = "engine-states"  # an engine's captured states, waiting to become shards (extract --engine vllm)
@@ -159,6 +160,8 @@ def extract(target, rows: dict, out: str | os.PathLike, *, shard_rows: int = 16,
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0 and read_marker(out) is None:
         write_marker(out, OWNER)
+    if world > 1 and grouped():  # the other ranks write shards only once rank 0 has checked and owns `out`
+        torch.distributed.barrier()
     remove_leftovers_in(out)  # shards and manifests a killed extract (this host) left half-written
     R, L = rows["input_ids"].shape
     dtype = dtype or target.dtype
