@@ -16,7 +16,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -93,24 +92,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-@pytest.mark.slow
-def test_train_killed_at_random_points_resumes_to_the_same_drafter(tmp_path, tiny_dir, data):
-    base = ["train", "--target", tiny_dir, "--data", data, "--steps", "10", *TRAIN]
-    t0 = time.time()
-    ref = finish(*base, "--out", str(tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stderr
-    wall = time.time() - t0
-    rng = random.Random(0)
-    for trial in range(2):
-        out = tmp_path / f"kill{trial}"
-        killed(base + ["--out", str(out)], rng.uniform(0.4, 0.9) * wall)
-        resumed = finish(*base, "--out", str(out), "--resume" if (out / "checkpoint").exists() else "--overwrite")
-        assert resumed.returncode == 0, resumed.stderr
-        assert same_tensors(out / "drafter" / "model.safetensors", ref_path := tmp_path / "ref" / "drafter" /
-                            "model.safetensors"), trial
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        assert lines and len(lines) == len(set(lines))  # nothing logged twice
-        REPORT["files_lost"] += not ref_path.exists()
+# train killed at random points (kill -9) and resumed: tests/test_preempt_cli.py, with kept and best checkpoints
 
 
 @pytest.mark.slow

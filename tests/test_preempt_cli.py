@@ -120,6 +120,8 @@ def test_kill_9_at_random_points_keeps_whole_checkpoints_and_best_and_resumes(tm
         assert json.loads((out / "best" / "best.json").read_text()) == json.loads(
             (tmp_path / "ref" / "best" / "best.json").read_text())
         assert len(list((out / "checkpoints").glob("step-*"))) == 1
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        assert lines and len(lines) == len(set(lines))  # nothing logged twice
 
 
 @pytest.mark.slow
