@@ -242,3 +242,17 @@ def test_a_dataset_missing_from_the_local_cache_is_one_line(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="not one datasets' save_to_disk wrote"):
         (tmp_path / "plain").mkdir()
         load_conversations(str(tmp_path / "plain"))
+
+
+def test_the_datasets_path_switches_the_hub_offline_even_when_it_was_imported_first(tmp_path, monkeypatch):
+    """huggingface_hub reads HF_HUB_OFFLINE once, at import (transformers imports it before any data
+    is read): the switch must reach the module itself, or a missing dataset would be looked up online."""
+    pytest.importorskip("datasets")
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-home"))
+    with pytest.raises(ValueError, match="not in the local datasets cache"):
+        load_conversations("hf:nobody/nothing")
+    assert hub.HF_HUB_OFFLINE is True

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,9 @@ def _datasets():
     """The `datasets` library, never reaching the network (its offline switches set before import)."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
+    hub = sys.modules.get("huggingface_hub.constants")  # read its switch at import: transformers imported it first
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
     try:
         import datasets
     except ImportError:
