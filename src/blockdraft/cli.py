@@ -626,8 +626,8 @@ def exit_after_group(rc: int) -> None:
     and their tensors; dropping a tensor's Python object takes the GIL, which a finalizing
     interpreter refuses by ending the thread inside a noexcept destructor: std::terminate, SIGABRT
     'terminate called without an active exception' after a clean finish (core dump read with gdb;
-    torch 2.11, about 1 run in 8 here: benchmarks/exit_check.sh). Everything the run wrote is
-    closed and synced by then; the launcher reads this exit code."""
+    torch 2.11, 5 of about 40 runs on a loaded CPU; benchmarks/exit_check.sh compares the two ways).
+    Everything the run wrote is closed and synced by then; the launcher reads this exit code."""
     d = sys.modules.get("blockdraft.train.distributed")
     if d is None or not d.left_group() or os.environ.get("BLOCKDRAFT_FULL_TEARDOWN"):  # that: the check's control
         return
