@@ -132,6 +132,16 @@ def _scan(directory: Path, base: str | None, kinds: Iterable[str]) -> list[Path]
     return found
 
 
+def swapping(final: str | os.PathLike) -> bool:
+    """Whether a writer (`atomic.atomic_dir`) has moved the old version of `final` aside and not yet
+    swapped the new one in: its `old` temporary lies beside it, a live process's or a killed one's."""
+    final = Path(os.path.abspath(final))
+    if not final.parent.is_dir():
+        return False
+    return any((m := _TEMP.match(p.name)) and m["base"] == final.name and m["kind"] == "old"
+               for p in final.parent.iterdir())
+
+
 def leftovers(final: str | os.PathLike, kinds: Iterable[str] = ("tmp", "old")) -> list[Path]:
     """Temporaries of `final` whose process is gone (or is this one), on this host."""
     final = Path(os.path.abspath(final))

@@ -12,7 +12,6 @@ The feature scale used in training is folded into fc.weight, so the weights keep
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import time
@@ -25,6 +24,7 @@ from safetensors.torch import save_file
 
 from ..atomic import atomic_dir
 from ..finite import require_finite
+from ..ownership import swapping
 from ..model import DFlashDrafter
 from ..target.files import head_rows
 from . import formats
@@ -98,16 +98,10 @@ def resolve_drafter(dir_or_name: str | os.PathLike) -> Path:
     path = Path(dir_or_name).expanduser()
     deadline = time.monotonic() + SWAP_WAIT
     while not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
-        if not _swapping(path) or time.monotonic() > deadline:
+        if not swapping(path) or time.monotonic() > deadline:
             raise ValueError(f"{path} is not a drafter directory: it needs {CONFIG} and {WEIGHTS}")
         time.sleep(0.02)  # a save is between moving the old version aside and the new one in
     return path
-
-
-def _swapping(path: Path) -> bool:
-    """Whether a save (`atomic_dir`) has moved the old version of `path` aside and not yet swapped
-    the new one in (its `old` twin lies beside it), as a live process's or a killed one's."""
-    return bool(glob.glob(os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.blockdraft-old-*")))
 
 
 def _read_pair(path: Path) -> tuple[bytes, bytes]:
