@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -111,7 +112,7 @@ def plot_hist(results: list[dict], path) -> None:
 def bench_json(path) -> bool:
     """Whether a file holds results as `run_bench` writes them (a list of per-set records)."""
     try:
-        got = json.loads(open(path, encoding="utf-8").read())
+        got = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(got, list) and all(isinstance(r, dict) and {"set", "tau", "speedup"} <= set(r) for r in got)

@@ -19,7 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..ownership import is_temp, leftovers, owned_by, remove_leftovers_in, temp_path, write_marker
+from ..ownership import MARKER, is_temp, leftovers, owned_by, remove_leftovers_in, temp_path, write_marker
 from .state import STATE_JSON, STATE_TENSORS, find_checkpoint
 
 OWNER = "train"
@@ -89,7 +89,7 @@ def keeper(out: Path, keep: int):
             return None
         kept = out / KEPT
         kept.mkdir(exist_ok=True)
-        if not (kept / ".blockdraft-owner.json").exists():
+        if not (kept / MARKER).exists():
             write_marker(kept, OWNER)
         dest = kept / kept_name(step)
         if dest.exists():  # the same step kept before (a resume went back): the newer copy wins
@@ -129,7 +129,7 @@ def check_kept(out: Path) -> None:
         return
     if kept.is_symlink() or not kept.is_dir():
         raise ValueError(f"{kept} is not a directory blockdraft train made; move it away or choose another --out")
-    entries = [e for e in kept.iterdir() if e.name != ".blockdraft-owner.json" and not is_temp(e.name)]
+    entries = [e for e in kept.iterdir() if e.name != MARKER and not is_temp(e.name)]
     if entries and not owned_by(kept, OWNER):
         raise ValueError(f"{kept} holds files blockdraft train did not write; move it away or choose another --out")
     foreign = [e.name for e in entries if not (_STEP.match(e.name) and e.is_dir() and not e.is_symlink()
