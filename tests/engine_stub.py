@@ -25,9 +25,15 @@ class TransformersCapturer:
         self.ids, self.dir = list(job["aux_ids"]), Path(job["tmp_dir"])
         self.n = self.model.config.num_hidden_layers
         self.done = 0
+        self.job = job
 
     def describe(self) -> dict:
-        return {"dtype": str(self.dtype).replace("torch.", ""), "quantization": None}
+        """What vLLM's capturer says it runs, and the cores this replica was given."""
+        return {"dtype": str(self.dtype).replace("torch.", ""), "quantization": None,
+                "layout": {"tensor_parallel": self.job.get("tensor_parallel_size", 1),
+                           "pipeline_parallel": self.job.get("pipeline_parallel_size", 1),
+                           "expert_parallel": bool(self.job.get("expert_parallel"))},
+                "cores": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
 
     @torch.no_grad()
     def capture(self, documents: list[list[int]]) -> list[str]:

@@ -1,5 +1,6 @@
 """The spool between vLLM engine replicas and their readers (blockdraft.engines.vllm.spool): requests
-claimed in reading order, never more bytes than the budget (plus the item some reader needs first),
+claimed in reading order, never more bytes than the budget (plus the item some reader needs first), a
+replica's share of what waits left to the others,
 files handed over whole and freed once read, a restarted reader's leftovers gone. Checked against a
 brute-force rule that replays every claim."""
 
@@ -21,22 +22,24 @@ def test_keys_sort_in_the_order_ranks_read():
     assert state_bytes(10, 3, 8, 4) == 10 * (3 * 8 * 4 + 8) + 256
 
 
-def allowed(held: list[Request], waiting: list[Request], budget: int) -> list[Request]:
+def allowed(held: list[Request], waiting: list[Request], budget: int, replicas: int = 1) -> list[Request]:
     """Brute force: walk the waiting requests in key order; take one while the held bytes fit the
-    budget, or whatever its size when no held key is below it; stop at the first that may not go."""
+    budget, or whatever its size when no held key is below it, and while what is taken stays within
+    a `replicas`-th of the waiting bytes (the first always goes); stop at the first that may not go."""
     out, held = [], list(held)
     for r in sorted(waiting, key=lambda r: (r.key, r.client)):
         fits = sum(h.nbytes for h in held) + r.nbytes <= budget
         first = not held or all(r.key <= h.key for h in held)
-        if not (fits or first):
+        shared = not out or replicas * (sum(o.nbytes for o in out) + r.nbytes) <= sum(w.nbytes for w in waiting) + replicas - 1
+        if not (fits or first) or not shared:
             break
         out.append(r)
         held.append(r)
     return out
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_claims_follow_the_brute_force_rule(tmp_path, seed):
+@pytest.mark.parametrize("seed,replicas", [(s, 1 + s % 3) for s in range(9)])
+def test_claims_follow_the_brute_force_rule(tmp_path, seed, replicas):
     rng = random.Random(seed)
     sp = Spool(tmp_path / f"s{seed}").make()
     budget = 1000
@@ -48,8 +51,8 @@ def test_claims_follow_the_brute_force_rule(tmp_path, seed):
                rng.randint(50, 900))
     held = [Request.parse(p.name) for p in (sp.root / CLAIMED).iterdir()]
     waiting = [Request.parse(p.name) for p in (sp.root / REQUESTS).iterdir()]
-    want = allowed(held, waiting, budget)
-    got = [req for req, _ in sp.claim(budget, max_documents=10**6, max_tokens=10**9)]
+    want = allowed(held, waiting, budget, replicas)
+    got = [req for req, _ in sp.claim(budget, max_documents=10**6, max_tokens=10**9, replicas=replicas)]
     assert got == want
     assert sp.stored_bytes() == sum(r.nbytes for r in held + want)
 

@@ -8,6 +8,7 @@ itself is judged the same way in the reference suite (reference/test_vllm_online
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,22 @@ def drafter_weights(out: Path) -> dict:
     return load_file(str(out / "drafter" / "model.safetensors"))
 
 
-def test_online_training_equals_training_from_the_engine_cache(tmp_path, tiny_target_dir, split, stand_in):
-    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool"))
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_online_training_equals_training_from_the_engine_cache(tmp_path, tiny_target_dir, split, stand_in, replicas,
+                                                              monkeypatch):
+    """One replica, and two data-parallel ones (each on its own core, each capturing a share)."""
+    import blockdraft.engines.vllm.launch as launch
+
+    statuses = []
+    real_stop = launch.Engines.stop
+
+    def stop(self, *a, **kw):  # each replica's own record, read before the spool goes
+        statuses.append([r.read() for r in self.replicas])
+        return real_stop(self, *a, **kw)
+
+    monkeypatch.setattr(launch.Engines, "stop", stop)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool"), data_parallel_size=replicas)
     for name in ("train", "held"):  # what extract --engine vllm stores, through the same engine process
         run_extract(TargetOptions(target=tiny_target_dir, num_features=3),
                     DataOptions(data=str(split / f"{name}.jsonl"), max_length=L), ExtractOptions(out=str(tmp_path / name)),
@@ -86,8 +101,13 @@ def test_online_training_equals_training_from_the_engine_cache(tmp_path, tiny_ta
     # what the engine served is on record in both: the cache's manifest and the online run's summary
     info = json.loads((tmp_path / "train" / "manifest.json").read_text())
     served = json.loads((tmp_path / "online" / "summary.json").read_text())["engine"]
-    assert served == [{"dtype": info["engine_dtype"], "quantization": info["quantization"]}]
-    assert info["engine_dtype"] == "float32"
+    assert served == [{"dtype": info["engine_dtype"], "quantization": info["quantization"],
+                       "layout": info["engine_layout"]}] * replicas
+    assert info["engine_dtype"] == "float32" and info["engine_replicas"] == replicas
+    for run in statuses:  # extract's two runs and training's: every replica captured, each on its own cores
+        assert len(run) == replicas and all(st["items"] > 0 for st in run), run
+        cores = [st["cores"] for st in run]
+        assert len(set(cores)) == replicas or len(os.sched_getaffinity(0)) < replicas, cores
 
 
 def test_the_spool_stays_within_its_budget(tmp_path, tiny_target_dir, split, stand_in, monkeypatch):

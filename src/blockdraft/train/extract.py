@@ -43,8 +43,8 @@ class ExtractOptions:
 
 
 # EngineOptions' flags extract takes (--dtype is the engine's precision; its GPUs are all the engine's)
-ENGINE_FLAGS = ("engine", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "engine_memory",
-                "quantization", "engine_eager", "engine_python", "spool", "spool_gib")
+ENGINE_FLAGS = ("engine", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "data_parallel_size",
+                "engine_memory", "quantization", "engine_eager", "engine_python", "spool", "spool_gib")
 
 
 def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions,
@@ -57,7 +57,10 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
 
     from ..data.chat import use_template
 
+    from ..engines.vllm.options import check_engine_flags
+
     engine = engine or EngineOptions()
+    check_engine_flags(engine, "extract")
     use_template(target_opts.chat_template, target_opts.thinking)
     if target_opts.target_fsdp:
         raise ValueError("extract splits its shards over the ranks, each running the whole target; --target-fsdp "
@@ -165,7 +168,8 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
         per_row = reader.reader.nbytes(torch.tensor([order[0]]))
         outputs = RowsAhead(reader, order, lookahead=max(2, min(256, budget // max(1, per_row))))
         extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, outputs=outputs, identity={"engine": "vllm"},
-                info={"engine_dtype": served.get("dtype"), "quantization": served.get("quantization")})
+                info={"engine_dtype": served.get("dtype"), "quantization": served.get("quantization"),
+                      "engine_layout": served.get("layout"), "engine_replicas": len(engines.replicas)})
         throughput(len(order) * L, time.perf_counter() - t0, "captured by vLLM, written as shards with the final norm "
                    "and head argmax", start_s=t0 - t_start)
         ok = True

@@ -99,6 +99,7 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     if rank == 0:
         print("engine: ready (" + "; ".join(f"replica {r.index}: {st.get('dtype')}"
                                            + (f", {st['quantization']}" if st.get("quantization") else "")
+                                           + (f", {describe_layout(st['layout'])}" if st.get("layout") else "")
                                            for r, st in zip(engines.replicas, states)) + ")")
     budget = budget_of(root)
     tag = hashlib.sha256(str(Path(cfg.train.out).resolve()).encode()).hexdigest()[:8]
@@ -111,10 +112,25 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     # requests are small (token ids); the engines hold the spool to its budget however far ahead they go
     train_f = OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD)
     eval_f = OnlineFeatures(reader(eval_rows, "e"), lookahead=LOOKAHEAD) if eval_rows is not None else None
-    served = [{"dtype": st.get("dtype"), "quantization": st.get("quantization")} for st in states]
+    served = [{"dtype": st.get("dtype"), "quantization": st.get("quantization"), "layout": st.get("layout")}
+              for st in states]
     return Online(engines, train_f, eval_f, served)
 
 
+def describe_layout(layout: dict) -> str:
+    """A replica's layout in words, as vLLM reported it."""
+    return (f"tensor parallel {layout.get('tensor_parallel', 1)}"
+            + (" with experts spread" if layout.get("expert_parallel") else ""))
+
+
 def node_split(opts: EngineOptions) -> int:
-    """The GPU index training rank 0 of a node starts at: after the engine replicas' GPUs."""
-    return engine_gpus(opts)
+    """The GPU index training rank 0 of a node starts at: after the engine replicas' GPUs, or at the first
+    of them when the ranks share them (--share-gpus)."""
+    need = engine_gpus(opts)
+    if not opts.share_gpus:
+        return need
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if local > need:
+        raise ValueError(f"--share-gpus puts one training rank on each engine GPU: {local} ranks a node, and the "
+                         f"replicas take {need} GPUs (--nproc-per-node at most {need})")
+    return 0

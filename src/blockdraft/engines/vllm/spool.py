@@ -124,10 +124,11 @@ class Spool:
                     item.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ engines
-    def claim(self, budget: int, max_documents: int, max_tokens: int) -> list[tuple[Request, list]]:
+    def claim(self, budget: int, max_documents: int, max_tokens: int, replicas: int = 1) -> list[tuple[Request, list]]:
         """Claim the next requests to capture, lowest key first, within the budget (and the
-        exception above), at most `max_documents` documents and `max_tokens` tokens in all (the first
-        request is taken whatever its size). Returns each with its documents."""
+        exception above), at most `max_documents` documents and `max_tokens` tokens in all, and at most
+        a `replicas`-th of the bytes waiting, so that every replica feeding the spool gets a share (the
+        first request is taken whatever its size). Returns each with its documents."""
         got: list[tuple[Request, list]] = []
         with open(self.root / LOCK, "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -136,11 +137,14 @@ class Spool:
             lowest = min((r.key for r in held), default=None)
             waiting = sorted((r for r in map(Request.parse, os.listdir(self.root / REQUESTS)) if r is not None),
                              key=lambda r: (r.key, r.client))
-            docs = tokens = 0
+            share = -(-sum(r.nbytes for r in waiting) // max(1, replicas))
+            docs = tokens = taken = 0
             for req in waiting:
                 first = lowest is None or req.key <= lowest
                 if stored + req.nbytes > budget and not first:
                     break  # strictly in key order: a later request never passes an earlier one
+                if got and taken + req.nbytes > share:
+                    break
                 src = self.root / REQUESTS / req.name
                 try:
                     documents = json.loads(src.read_text())["documents"]
@@ -151,7 +155,7 @@ class Spool:
                     break
                 os.replace(src, self.root / CLAIMED / req.name)
                 got.append((req, documents))
-                stored += req.nbytes
+                stored, taken = stored + req.nbytes, taken + req.nbytes
                 lowest = req.key if lowest is None else min(lowest, req.key)
                 docs, tokens = docs + len(documents), tokens + n_tok
         return got
