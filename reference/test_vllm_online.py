@@ -6,9 +6,9 @@ happened.
 
 The trainer runs in the project's own environment (MAIN_PYTHON, `--engine-python` naming this one),
 as a user runs vLLM from its own environment. The runs join the session's shared SmolLM2 engine
-(conftest.py: two data-parallel replicas) through `--spool`; the crash test starts its own, as `train`
-does by default, with two tensor-parallel ranks (one core each): its resumed run ends on the losses of
-the run fed by the replicas, so both layouts train alike.
+(conftest.py: two data-parallel replicas, one core each) through `--spool`; the crash test starts its
+own, as `train` does by default (one replica on both cores): its resumed run ends on the losses of the
+run fed by the two replicas, so both layouts train alike.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_a_crashed_engine_is_one_line_and_resume_continues_as_if_nothing_happene
     whole = tmp / "whole"
     run([*base, *online_flags(tmp, smollm2_engine), "--out", str(whole)], tmp / "whole.log")
     out, spool = tmp / "crashed", tmp / "own-spool"
-    flags = [*base, *online_flags(tmp, spool), "--engine-eager", "--tensor-parallel-size", "2", "--out", str(out)]
+    flags = [*base, *online_flags(tmp, spool), "--engine-eager", "--out", str(out)]
     log = tmp / "crashed.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen([main_python(), *flags], env=env(), stdout=fh, stderr=subprocess.STDOUT)

@@ -57,7 +57,7 @@ def test_replicas_start_with_their_own_cores_and_layout(tmp_path, monkeypatch):
             self.pid = 0
 
     monkeypatch.setattr(launch.subprocess, "Popen", Popen)
-    monkeypatch.setattr(launch, "check_engine_python", lambda python: None)
+    monkeypatch.setattr(launch, "check_engine_python", lambda python, untested=False: None)
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     job = {"target": "/m", "aux_ids": [1], "dtype": "float32", "budget": 1, "tensor_parallel_size": 2}
@@ -191,3 +191,20 @@ def test_every_layout_the_readme_recommends_is_one_the_plan_may_choose():
         assert "--pipeline-parallel-size" not in c, c
         if re.search(r"GLM-4|Kimi|DeepSeek|Qwen3-235B", c) and "--tensor-parallel-size" in c:
             assert "--expert-parallel" in c, c
+
+
+def test_a_tensor_parallel_size_the_heads_do_not_divide_is_refused_before_the_start(tmp_path):
+    import json
+
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_attention_heads": 9}))  # SmolLM2's
+    with pytest.raises(ValueError, match="the target has 9 attention heads"):
+        launch.open_engines(tmp_path / "spool", {"target": str(target), "aux_ids": [1], "dtype": "float32"},
+                            EngineOptions(engine="vllm", tensor_parallel_size=2), max_model_len=8, itemsize=4,
+                            on_gpu=False, architectures=[])
+    assert not (tmp_path / "spool").exists()
+    (target / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 8}}))
+    from blockdraft.engines.vllm.options import check_layout
+
+    check_layout(EngineOptions(engine="vllm", tensor_parallel_size=4), target)

@@ -44,7 +44,8 @@ class ExtractOptions:
 
 # EngineOptions' flags extract takes (--dtype is the engine's precision; its GPUs are all the engine's)
 ENGINE_FLAGS = ("engine", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "data_parallel_size",
-                "engine_memory", "quantization", "engine_eager", "engine_python", "spool", "spool_gib")
+                "engine_memory", "quantization", "engine_eager", "engine_untested", "engine_python", "spool",
+                "spool_gib")
 
 
 def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions,
@@ -122,7 +123,7 @@ def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: Extr
                                    final_norm=True)
     if getattr(target, "local_dir", None) is None:
         raise ValueError(f"extract --engine vllm needs the target as a local model directory, not {target_opts.target}")
-    check_can_capture(target)
+    check_can_capture(target, engine.engine_untested)
     rows, _ = conversation_rows(target.tokenizer, dataclasses.replace(data, eval_fraction=0.0), opts.seed)
     R, L = rows["input_ids"].shape
     shard_rows = opts.shard_rows or auto_shard_rows(target, L, dtype)

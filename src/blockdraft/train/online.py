@@ -81,7 +81,7 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     opts = cfg.engine
     if getattr(target, "local_dir", None) is None:
         raise ValueError(f"--engine vllm needs the target as a local model directory, not {cfg.target.target}")
-    check_can_capture(target)
+    check_can_capture(target, opts.engine_untested)
     dtype = engine_dtype(opts, target.device.type == "cuda")
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     root = spool_dir(opts, cfg.train.out, node_rank())

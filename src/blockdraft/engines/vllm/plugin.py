@@ -15,7 +15,8 @@ this plugin makes the class vLLM itself would have written, from vLLM's own sour
 * the wrapper class, marked `SupportsEagle3`, building that decoder model instead of vLLM's.
 
 A decoder model that already records them (GLM-4 reuses Llama's) only has its wrapper marked. A
-class whose source does not have that shape is left alone, and `can_capture` says why.
+class whose source does not have that shape is refused by name when an engine asks for it (`register`
+raises, `can_capture` says why); it is never skipped for vLLM to refuse later.
 
 The plugin acts only in engines blockdraft starts for capture: they carry `ENV` (the architectures
 to give states to) in their environment, and vLLM loads the plugin in each of its processes through
@@ -379,6 +380,10 @@ def register() -> None:
             continue  # already ours (plugins load more than once), or not one of vLLM's own modules
         short = module[len(MODELS) + 1:]
         source = Source(models)
-        if source.supports_eagle3(short, cls) or not isinstance(source.plan(short, cls), Plan):
-            continue  # vLLM's own class captures; or one the plugin cannot change (can_capture says why)
+        if source.supports_eagle3(short, cls):
+            continue  # vLLM's own class captures
+        plan = source.plan(short, cls)
+        if not isinstance(plan, Plan):  # refused by name: vLLM would otherwise refuse it at start, saying less
+            raise ValueError(f"blockdraft's vLLM plugin cannot give {arch} ({short}.{cls} of vLLM "
+                             f"{getattr(sys.modules['vllm'], '__version__', '?')}) its layer states: {plan}")
         ModelRegistry.register_model(arch, f"{__name__}:{PREFIX}{short}__{cls}")
