@@ -3,9 +3,19 @@ replicas and the training ranks for the targets the issue names. One run, one JS
 
     python benchmarks/online.py --engine-python .venv-ref-vllm/bin/python --json benchmarks/results/online.json
 
+The engine and the trainer run on separate cores (`--engine-cores`, default 0; `--trainer-cores`, default 1),
+so that what each costs the other shows, as it would on separate GPUs:
+
+* capture against prefill: on the same SmolLM2 documents (packed rows' documents, padding left out), the
+  same engine settings and the engine's cores, vLLM's own prefill (`generate(max_tokens=1)`, no capture)
+  and blockdraft's capture (vLLM's extract_hidden_states method, blockdraft's connector and feed: every
+  document's states written); tokens per second of each, and their ratio (benchmarks/capture_vs_prefill.py);
 * speed: the same SmolLM2 training (rows, order, steps) from `extract --engine vllm`'s cache and online,
-  back to back: steps per second (the engine's start not counted), the share of each step the trainer
-  waits for its features, and the engine's own tokens per second while capturing;
+  back to back, the trainer on its own core: steps per second (the engine's start not counted), the share
+  of each step the trainer waits for its features, and the engine's own tokens per second while it held
+  work, against the prefill rate above;
+* fp8 states: training from a cache whose states travelled as fp8 with per-token scales against one whose
+  states travelled as bf16 (the engine in bf16 both times): the loss difference, step by step;
 * spool: an online run whose states would be at least 10x `--spool-gib`: the engine's record of the
   claimed bytes, and the bytes on disk sampled every 20 ms, against the bound;
 * plan: for Qwen3-8B (bf16), GLM-4.6 (FP8) and Kimi-K2 (INT4 routed experts) on one node of 8 x 80 GB,
@@ -82,43 +92,112 @@ def engine_status(log: Path) -> dict:
     return {}
 
 
-def speed_and_spool(args, tmp: Path) -> dict:
+def documents(path: Path, max_length: int) -> list[list[int]]:
+    """The documents `extract` and `train` send the engine for these conversations (padding left out)."""
+    import dataclasses
+
+    from blockdraft.data.packing import padding
+    from blockdraft.data.pipeline import DataOptions, conversation_rows
+    from blockdraft.engines.vllm.capture import segments
+    from blockdraft.target.files import load_tokenizer, resolve_target
+
+    tok = load_tokenizer(resolve_target("smollm2")[0])
+    rows, _ = conversation_rows(tok, dataclasses.replace(DataOptions(data=str(path), max_length=max_length,
+                                                                      max_rows=0), eval_fraction=0.0), 0)
+    pad = padding(rows)
+    return [rows["input_ids"][r, s:e].tolist() for r, s, e in segments(rows, range(rows["input_ids"].shape[0]))
+            if not pad[r, s]]
+
+
+def capture_vs_prefill(args, tmp: Path) -> dict:
+    """vLLM's own prefill and blockdraft's capture of the same documents, on the engine's cores."""
+    from blockdraft.engines.vllm.capture import capture_ids
+    from blockdraft.engines.vllm.options import cpu_kv_bytes
+    from blockdraft.target.files import resolve_target
+
+    docs = documents(tmp / "train.jsonl", args.max_length)
+    (tmp / "docs.json").write_text(json.dumps({"documents": docs}))
+    target = str(resolve_target("smollm2")[0])
+    ids = capture_ids([int(x) for x in LAYERS.split(",")], 30)
+    job = {"target": target, "dtype": "float32", "max_model_len": args.max_length + 8, "aux_ids": ids,
+           "tmp_dir": str(tmp / "states"), "kv_bytes": cpu_kv_bytes(target, args.max_length + 8, len(ids), 4)}
+    (tmp / "job.json").write_text(json.dumps(job))
+    sh(["taskset", "-c", args.engine_cores, args.engine_python, str(ROOT / "benchmarks" / "capture_vs_prefill.py"),
+        str(tmp / "docs.json"), str(tmp / "job.json"), str(tmp / "rates.json")], tmp / "rates.log",
+       env=engine_env(args))
+    got = json.loads((tmp / "rates.json").read_text())
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}
+
+
+def engine_env(args) -> dict:
+    """The environment of a command that starts the engine: its one rank on the engine's cores."""
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_OMP_THREADS_BIND": args.engine_cores,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def speed_and_spool(args, tmp: Path, prefill_rate: float) -> dict:
     py, vpy = sys.executable, args.engine_python
-    with gzip.open(ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
-        lines = [next(fh) for _ in range(args.conversations + 8)]
-    (tmp / "train.jsonl").write_text("".join(lines[:args.conversations]))
-    (tmp / "held.jsonl").write_text("".join(lines[args.conversations:]))
-    common = ["--max-length", str(args.max_length), "--layer-ids", LAYERS, "--threads", str(args.threads)]
+    common = ["--max-length", str(args.max_length), "--layer-ids", LAYERS]
+    trainer = ["taskset", "-c", args.trainer_cores]
     train = [*common, "--steps", str(args.steps), "--batch-tokens", str(args.max_length), "--max-rows", "0",
-             "--eval-every", "1000", "--no-progress"]
+             "--eval-every", "1000", "--no-progress", "--threads", str(len(args.trainer_cores.split(",")))]
     out: dict = {}
     for name in ("train", "held"):  # the cache offline training reads, from the same engine code
-        out[f"extract_{name}_wall_s"] = round(sh([vpy, "-m", "blockdraft", "extract", "--engine", "vllm", "--data",
-                                                  str(tmp / f"{name}.jsonl"), *common, "--out", str(tmp / f"cache-{name}")],
-                                                 tmp / f"extract-{name}.log", env={**os.environ, "PYTHONPATH": str(ROOT / "src")}), 1)
-    sh([py, "-m", "blockdraft", "train", *train, "--features-cache", str(tmp / "cache-train"), "--eval-features-cache",
-        str(tmp / "cache-held"), "--out", str(tmp / "offline")], tmp / "offline.log")
+        out[f"extract_{name}_wall_s"] = round(sh([*trainer, vpy, "-m", "blockdraft", "extract", "--engine", "vllm",
+                                                  "--data", str(tmp / f"{name}.jsonl"), *common, "--out",
+                                                  str(tmp / f"cache-{name}")], tmp / f"extract-{name}.log",
+                                                 env=engine_env(args)), 1)
+    sh([*trainer, py, "-m", "blockdraft", "train", *train, "--features-cache", str(tmp / "cache-train"),
+        "--eval-features-cache", str(tmp / "cache-held"), "--out", str(tmp / "offline")], tmp / "offline.log")
     spool = tmp / "spool"
-    online = [py, "-m", "blockdraft", "train", *train, "--engine", "vllm", "--engine-python", vpy, "--data",
+    online = [*trainer, py, "-m", "blockdraft", "train", *train, "--engine", "vllm", "--engine-python", vpy, "--data",
               str(tmp / "train.jsonl"), "--eval-data", str(tmp / "held.jsonl"), "--spool", str(spool)]
     watch = SpoolWatch(spool)
     watch.start()
-    sh([*online, "--spool-gib", str(args.spool_gib), "--out", str(tmp / "online")], tmp / "online.log")
+    sh([*online, "--spool-gib", str(args.spool_gib), "--out", str(tmp / "online")], tmp / "online.log",
+       env=engine_env(args))
     watch.done.set()
     watch.join()
     off, on = metrics(tmp / "offline"), metrics(tmp / "online")
     status = engine_status(tmp / "online.log")
     row_bytes = args.max_length * (6 * 576 * 4 + 8)  # 5 feature layers and the last, hidden 576, fp32
     states = status.get("tokens", 0) * (6 * 576 * 4 + 8)
+    rate = status["tokens"] / status["busy_s"] if status.get("busy_s") else None
     out.update(offline=step_figures(off), online=step_figures(on),
                loss_max_rel_diff=max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(off, on)),
                engine={"tokens": status.get("tokens"), "busy_s": status.get("busy_s"),
-                       "tokens_per_s": round(status["tokens"] / status["busy_s"], 1) if status.get("busy_s") else None},
+                       "tokens_per_s": round(rate, 1) if rate else None,
+                       "over_prefill": round(rate / prefill_rate, 3) if rate else None},
                spool={"bound_bytes": int(args.spool_gib * 2**30), "states_read_bytes": states,
                       "states_over_bound": round(states / (args.spool_gib * 2**30), 1),
                       "engine_peak_claimed_bytes": status.get("peak_bytes"), "peak_on_disk_bytes": watch.peak,
                       "disk_samples": watch.samples, "one_row_bytes": row_bytes})
     return out
+
+
+def fp8_against_bf16(args, tmp: Path) -> dict:
+    """The same training from two `extract --engine vllm` caches of the same rows, the engine in bf16: its
+    states sent as bf16 and as fp8 with per-token scales (`--engine-states fp8`). Their loss difference is
+    what fp8 transport costs."""
+    py, vpy = sys.executable, args.engine_python
+    common = ["--max-length", str(args.max_length), "--layer-ids", LAYERS, "--dtype", "bfloat16"]
+    trainer = ["taskset", "-c", args.trainer_cores]
+    losses = {}
+    for states in ("engine", "fp8"):
+        cache = tmp / f"cache-bf16-{states}"
+        sh([*trainer, vpy, "-m", "blockdraft", "extract", "--engine", "vllm", "--engine-eager", "--engine-states", states,
+            "--data", str(tmp / "train.jsonl"), *common, "--out", str(cache)], tmp / f"extract-bf16-{states}.log",
+           env=engine_env(args))
+        out = tmp / f"train-bf16-{states}"
+        sh([*trainer, py, "-m", "blockdraft", "train", "--features-cache", str(cache), "--max-length",
+            str(args.max_length), "--layer-ids", LAYERS, "--steps", str(args.steps), "--batch-tokens",
+            str(args.max_length), "--max-rows", "0", "--eval-every", "1000", "--no-progress", "--threads",
+            str(len(args.trainer_cores.split(","))), "--out", str(out)], tmp / f"train-bf16-{states}.log")
+        losses[states] = [r["loss"] for r in metrics(out)]
+    rel = [abs(a - b) / abs(a) for a, b in zip(losses["engine"], losses["fp8"])]
+    return {"steps": len(rel), "loss_max_rel_diff": round(max(rel), 5), "loss_mean_rel_diff": round(sum(rel) / len(rel), 5),
+            "final_loss_bf16": round(losses["engine"][-1], 4), "final_loss_fp8": round(losses["fp8"][-1], 4),
+            "spool_bytes_per_token": {"bf16": 6 * 576 * 2 + 8, "fp8": 6 * 576 + 4 + 8}}
 
 
 TARGETS = ("Qwen3-8B (bf16)", "GLM-4.6 (FP8)", "Kimi-K2 (INT4 experts)")
@@ -243,7 +322,8 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--spool-gib", type=float, default=0.05)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--engine-cores", default="0", help="the engine's cores (taskset -c list; vLLM binds to them)")
+    p.add_argument("--trainer-cores", default="1", help="the trainer's (and extract's) cores")
     p.add_argument("--work", default=str(ROOT / "runs" / "online-bench"))
     p.add_argument("--plan-only", action="store_true")
     p.add_argument("--json", default=None)
@@ -252,7 +332,14 @@ def main() -> None:
     if not args.plan_only:
         tmp = Path(args.work)
         tmp.mkdir(parents=True, exist_ok=True)
-        res.update(speed_and_spool(args, tmp))
+        with gzip.open(ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
+            lines = [next(fh) for _ in range(args.conversations + 8)]
+        (tmp / "train.jsonl").write_text("".join(lines[:args.conversations]))
+        (tmp / "held.jsonl").write_text("".join(lines[args.conversations:]))
+        res["cores"] = {"engine": args.engine_cores, "trainer": args.trainer_cores}
+        res["capture_vs_prefill"] = capture_vs_prefill(args, tmp)
+        res.update(speed_and_spool(args, tmp, res["capture_vs_prefill"]["prefill_tokens_per_s"]))
+        res["fp8_states"] = fp8_against_bf16(args, tmp)
     text = json.dumps(res, indent=1)
     print(text)
     if args.json:

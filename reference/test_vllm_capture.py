@@ -280,3 +280,33 @@ def test_a_class_the_plugin_cannot_change_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(plugin.ENV, json.dumps({"architectures": ["BloomForCausalLM"]}))
     with pytest.raises(ValueError, match=r"cannot give BloomForCausalLM \(bloom\.BloomForCausalLM of vLLM 0\.32"):
         plugin.register()
+
+
+@pytest.mark.parametrize("states", ["engine", "fp8"])
+def test_the_connector_writes_what_vllms_own_gather_reads_from_the_cache(tmp_path, states):
+    """blockdraft's connector on a CPU cache ([blocks, states, block size, hidden], vLLM's layout): each
+    finished request's file holds what vLLM's own `extract_from_kv_cache` gathers for its blocks (one copy
+    into the mapped file), or that within fp8's rounding under --engine-states fp8; safetensors reads it."""
+    from safetensors.torch import load_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        PendingSave, extract_from_kv_cache)
+
+    from blockdraft.engines.vllm.connector import BlockdraftHiddenStatesConnector
+    from blockdraft.engines.vllm.states import SCALES, dequantize
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(12, 4, 16, 64, generator=g).to(torch.bfloat16)
+    conn = object.__new__(BlockdraftHiddenStatesConnector)  # the worker side alone, without an engine
+    conn._kv_cache, conn._block_size, conn._is_tp_rank_zero, conn._fp8 = kv, 16, True, states == "fp8"
+    conn._lock_fds, conn._req_copy_events = {}, {}
+    for T, blocks in ((37, [5, 2, 9]), (16, [3]), (1, [11])):
+        path = str(tmp_path / f"{T}.safetensors")
+        conn._submit_async_write(PendingSave("r", path, torch.arange(T) + 100, blocks))
+        slots = (torch.tensor(blocks)[:, None] * 16 + torch.arange(16)[None]).flatten()
+        want, got = extract_from_kv_cache(kv, slots, T), load_file(path)
+        assert torch.equal(got["token_ids"], torch.arange(T) + 100) and conn._req_copy_events["r"].query()
+        if states == "fp8":
+            back = dequantize(got["hidden_states"], got[SCALES], torch.float32)
+            assert ((back - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))).max() <= 2**-4
+        else:
+            assert torch.equal(got["hidden_states"], want)

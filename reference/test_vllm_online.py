@@ -137,31 +137,48 @@ def test_online_training_equals_training_from_the_engine_cache(data, smollm2_eng
             assert (wa[k].float() - wb[k].float()).abs().max() <= 1e-4 * (1 + wa[k].float().abs().max()), (a, k)
 
 
-def test_a_crashed_engine_is_one_line_and_resume_continues_as_if_nothing_happened(data, smollm2_engine):
-    """`train` starts its own engine (eager, to keep this test short); the engine is killed mid-run; the
-    run stops at once with one line naming the cause and the log; `--resume` starts a new engine and
-    ends with the losses of a run that was never stopped (run beside the shared engine)."""
+def test_a_crashed_engine_is_one_line_a_preempted_one_saves_and_resume_continues_as_if_nothing_happened(
+        data, smollm2_engine):
+    """`train` starts its own engine (eager, to keep this test short); the engine is killed mid-run: the run
+    stops at once with one line naming the cause and the log (exit 2). `--resume` starts a new engine; it
+    and the trainer then get SIGTERM together, as a scheduler preempting the job sends it: the last whole
+    step is saved and the run exits 75. `--resume` again ends with the losses of a run that was never
+    stopped (run beside the shared engine). The spool holds about one row, so the trainer waits on vLLM."""
+    from blockdraft.preempt import PREEMPTED
+
     tmp = data
-    base = ["-m", "blockdraft", "train", *COMMON, *TRAIN, "--steps", "6", "--save-every", "2"]
+    base = ["-m", "blockdraft", "train", *COMMON, *TRAIN, "--steps", "8", "--save-every", "2"]
     whole = tmp / "whole"
     run([*base, *online_flags(tmp, smollm2_engine), "--out", str(whole)], tmp / "whole.log")
     out, spool = tmp / "crashed", tmp / "own-spool"
-    flags = [*base, *online_flags(tmp, spool), "--engine-eager", "--out", str(out)]
+    flags = [*base, *online_flags(tmp, spool), "--engine-eager", "--spool-gib", "0.008", "--out", str(out)]
+
+    def started(log: Path, lines: int, extra=()) -> subprocess.Popen:
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([main_python(), *flags, *extra], env=env(), stdout=fh, stderr=subprocess.STDOUT)
+        deadline, metrics = time.time() + 900, out / "metrics.jsonl"
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < lines):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        return proc
+
     log = tmp / "crashed.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([main_python(), *flags], env=env(), stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.time() + 900
-    metrics = out / "metrics.jsonl"
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        assert proc.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.5)
-    status = json.loads((spool / "engine-0.json").read_text())
-    os.kill(int(status["pid"]), signal.SIGKILL)  # the engine dies mid-run
+    proc = started(log, 3)
+    os.kill(int(json.loads((spool / "engine-0.json").read_text())["pid"]), signal.SIGKILL)  # the engine dies
     rc = proc.wait(timeout=300)
     err = [ln for ln in log.read_text().splitlines() if ln.startswith("blockdraft train: error:")]
     record(crash_error=err)
     assert rc == 2 and len(err) == 1, log.read_text()[-3000:]
     assert "replica 0" in err[0] and "killed by SIGKILL (exit -9)" in err[0] and str(spool / "engine-0.log") in err[0]
+    log = tmp / "preempted.log"
+    proc = started(log, 5, ["--resume"])
+    os.kill(int(json.loads((spool / "engine-0.json").read_text())["pid"]), signal.SIGTERM)  # both, as a scheduler
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    said = [ln for ln in log.read_text().splitlines() if "stopped by SIGTERM after step" in ln]
+    record(preempted_rc=rc, preempted_said=said)
+    assert rc == PREEMPTED and len(said) == 1, log.read_text()[-3000:]
+    assert "error:" not in log.read_text()
     run([*flags, "--resume"], tmp / "resumed.log")
     a, b = losses(whole), losses(out)
     record(whole_losses=a, resumed_losses=b)

@@ -3,7 +3,8 @@ the target on each document alone and writes what vLLM's hidden-states connector
 document: `hidden_states` [T, k, H] of the asked aux ids in ascending order (id k < n: the state entering
 layer k, transformers' `hidden_states[k]`; id n: the last layer's output before the final norm) and
 `token_ids` [T]. `STUB_FAIL_AFTER=N` makes it raise after N documents (a crashed engine);
-`STUB_DELAY_S` sleeps before each batch (a slow one)."""
+`STUB_DELAY_S` sleeps before each batch (a slow one, or a hung one), `STUB_START_S` before it is ready
+(a slow start)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TransformersCapturer:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(1)
+        time.sleep(float(os.environ.get("STUB_START_S", "0")))
         self.dtype = getattr(torch, job["dtype"])
         self.model = AutoModelForCausalLM.from_pretrained(job["target"], dtype=self.dtype).eval()
         self.ids, self.dir = list(job["aux_ids"]), Path(job["tmp_dir"])
@@ -34,6 +36,18 @@ class TransformersCapturer:
                            "pipeline_parallel": self.job.get("pipeline_parallel_size", 1),
                            "expert_parallel": bool(self.job.get("expert_parallel"))},
                 "cores": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
+
+    batch_tokens = 512  # what it computes in one step (vLLM: its scheduler's max_num_batched_tokens)
+
+    def submit(self, ids: list[int]) -> str:
+        self.queue = getattr(self, "queue", [])
+        self.queue.append((f"d{self.done + len(self.queue)}", ids))
+        return self.queue[-1][0]
+
+    def finished(self) -> list[tuple[str, str]]:
+        """One step: the first document queued, computed (as vLLM finishes documents a step at a time)."""
+        rid, ids = self.queue.pop(0)
+        return [(rid, self.capture([ids])[0])]
 
     @torch.no_grad()
     def capture(self, documents: list[list[int]]) -> list[str]:
@@ -52,7 +66,12 @@ class TransformersCapturer:
                 hook.remove()
             states = torch.stack([hs[k][0] if k < self.n else last["h"][0] for k in self.ids], dim=1)
             path = self.dir / f"doc-{os.getpid()}-{self.done}.safetensors"
-            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)}, str(path))
+            if self.job.get("states") == "fp8":  # what blockdraft's connector writes under --engine-states fp8
+                from blockdraft.engines.vllm.states import write_states
+
+                write_states(str(path), states, torch.tensor(ids), fp8=True)
+            else:  # vLLM's own connector's file
+                save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)}, str(path))
             paths.append(str(path))
             self.done += 1
         return paths

@@ -126,15 +126,20 @@ def test_kill_9_at_random_points_keeps_whole_checkpoints_and_best_and_resumes(tm
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_is_exact(tmp_path, tiny_target_dir, chat_data):
-    """torchrun forwards SIGTERM to its 2 gloo ranks: both save the same step and exit (rank 0 says
-    so); a resume under torchrun ends with the losses of an uncut 2-rank run."""
+    """torchrun forwards SIGTERM to its 2 gloo ranks: both save the same step and exit 75 (rank 0 says
+    so), and torchrun itself exits 1 (its own SIGTERM ends it with SignalException); a resume under
+    torchrun ends with the losses of an uncut 2-rank run."""
     from conftest import free_port
+
+    codes = tmp_path / "codes"
+    codes.mkdir()
 
     def launch(out, *more):
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                 "--master-port", str(free_port()), "-m", "blockdraft", "train", "--target",
+                                 "--master-port", str(free_port()), "-m", "rank_exit", "train", "--target",
                                  tiny_target_dir, "--data", chat_data, "--steps", "8", *TRAIN, "--out", str(out),
-                                 *more], env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
+                                 *more], env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}",
+                                              "OMP_NUM_THREADS": "1", "RANK_EXIT_DIR": str(codes)},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     ref = launch(tmp_path / "ref")
@@ -145,8 +150,12 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_is_exact(tm
     while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()
         time.sleep(0.05)
+    for f in codes.iterdir():
+        f.unlink()  # the reference run's
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
+    assert sorted(f.read_text() for f in codes.iterdir()) == ["75", "75"], err[-3000:]  # every rank: preempted
+    assert p.returncode == 1 and "SignalException" in err  # torchrun's own, as the README says
     step = json.loads((out / "checkpoint" / "trainer_state.json").read_text())["progress"]["step"]
     assert f"blockdraft train: stopped by SIGTERM after step {step}" in err, err[-3000:]
     assert len(losses(out)) == step < 8

@@ -483,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv, seen, interrupted)
         except BaseException as e:
             if not (interrupted or isinstance(e, KeyboardInterrupt)):
+                group = sys.modules.get("blockdraft.train.distributed")
+                if group is not None and not isinstance(e, SystemExit):  # a fault: the other ranks stop too
+                    group.post_abort(f"{type(e).__name__}: {one_line(e)}")
                 raise
             interrupted.append("handled")
             args = seen.get("args")
@@ -608,6 +611,9 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
         if args.debug:
             raise
         print(f"blockdraft {args.cmd}: error: {one_line(e)}", file=sys.stderr)
+        group = sys.modules.get("blockdraft.train.distributed")
+        if group is not None:  # in a group: the other ranks stop now, not at the group's timeout
+            group.post_abort(one_line(e))
         return 2
 
 

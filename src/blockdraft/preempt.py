@@ -30,6 +30,19 @@ class Preempted(Exception):
                          f"with --resume to continue (exit code {PREEMPTED})")
 
 
+class StepLost(Exception):
+    """A step (or evaluation) read features a stopped engine never made (the engines' StopGuard): every
+    rank throws it away together, and the run stops as preempted at the last whole step."""
+
+
+_NOTED: list[str] = []  # the signal this process was asked to stop by (StopSignals), for threads that must know
+
+
+def noted() -> str | None:
+    """The stop signal this process noted (any thread may ask), or None."""
+    return _NOTED[0] if _NOTED else None
+
+
 class StopSignals:
     """While entered (in the main thread): SIGTERM, SIGUSR1 and a first SIGINT only note that a stop
     was asked; a second SIGINT goes to the handler that was there before (the CLI's: exit 130), or
@@ -47,6 +60,7 @@ class StopSignals:
             raise KeyboardInterrupt
         if self.got is None:
             self.got = name
+            _NOTED[:] = [name]
             if self.lead:  # os.write: safe inside a handler, where print may be mid-write
                 again = "; Ctrl-C again to stop at once" if name == "SIGINT" else ""
                 os.write(2, f"blockdraft train: {name}: stopping after this step and saving a checkpoint"
@@ -61,6 +75,7 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc):
+        _NOTED.clear()
         for num, before in self._before.items():
             signal.signal(num, before if before is not None else signal.SIG_DFL)
         self._before.clear()

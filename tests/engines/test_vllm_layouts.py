@@ -7,9 +7,8 @@ test_vllm_online.py)."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
+import torch
 
 from blockdraft.engines.vllm import launch
 from blockdraft.engines.vllm.feed import engine_kwargs
@@ -56,16 +55,20 @@ def test_replicas_start_with_their_own_cores_and_layout(tmp_path, monkeypatch):
             envs.append(env)
             self.pid = 0
 
+    pinned = []
     monkeypatch.setattr(launch.subprocess, "Popen", Popen)
     monkeypatch.setattr(launch, "check_engine_python", lambda python, untested=False: None)
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(launch.os, "sched_setaffinity", lambda pid, cores: pinned.append(set(cores)))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     job = {"target": "/m", "aux_ids": [1], "dtype": "float32", "budget": 1, "tensor_parallel_size": 2}
     launch.start_engines(Spool(tmp_path).make(), job, replicas=2, gpus_per_replica=0)
     assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == ["0|1", "2|3"]
+    assert pinned == [{0, 1}, {2, 3}]  # each replica's processes on its own ranks' cores
     envs.clear()
+    pinned.clear()
     launch.start_engines(Spool(tmp_path).make(), job, replicas=2, gpus_per_replica=2)  # GPUs: devices, no cores
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"] and pinned == []
 
 
 def test_expert_parallel_reaches_vllm_as_its_own_flag():
@@ -208,3 +211,32 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_is_refused_before_the_st
     from blockdraft.engines.vllm.options import check_layout
 
     check_layout(EngineOptions(engine="vllm", tensor_parallel_size=4), target)
+
+
+def test_states_files_are_safetensors_and_fp8_keeps_each_value_within_its_rounding(tmp_path):
+    """The connector's writer against safetensors' own reader (and the reader against safetensors' own
+    writer); fp8 states: every value within 2^-4 of itself above the per-token scale's subnormal range,
+    and the scale is the token's largest magnitude over fp8's largest (hs-connectors' layout)."""
+    from safetensors.torch import load_file, save_file
+
+    from blockdraft.engines.vllm.states import FP8, SCALES, dequantize, quantize, read_states, write_states
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 3, 40, generator=g) * torch.logspace(-3, 3, 11)[:, None, None]
+    ids = torch.arange(11) * 7
+    for dtype in (torch.float32, torch.bfloat16):
+        write_states(str(tmp_path / "a"), x.to(dtype), ids)
+        theirs = load_file(str(tmp_path / "a"))
+        assert torch.equal(theirs["hidden_states"], x.to(dtype)) and torch.equal(theirs["token_ids"], ids)
+        save_file({"hidden_states": x.to(dtype), "token_ids": ids}, str(tmp_path / "b"))
+        ours = read_states(str(tmp_path / "b"))
+        assert torch.equal(ours["hidden_states"], x.to(dtype)) and torch.equal(ours["token_ids"], ids)
+    write_states(str(tmp_path / "q"), x, ids, fp8=True)
+    theirs = load_file(str(tmp_path / "q"))
+    q, scale = quantize(x)
+    assert theirs["hidden_states"].dtype == FP8 and torch.equal(theirs[SCALES], scale)
+    assert torch.allclose(scale.flatten(), x.abs().amax(dim=(1, 2)) / torch.finfo(FP8).max)
+    back = dequantize(theirs["hidden_states"], theirs[SCALES], torch.float32)
+    normal = x.abs() >= scale * 2.0**-6  # e4m3's smallest normal, in each token's scale
+    assert ((back - x).abs() <= 2**-4 * x.abs())[normal].all()
+    assert ((back - x).abs() <= scale * 2.0**-9)[~normal].all()  # subnormals: half e4m3's smallest step

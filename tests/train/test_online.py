@@ -151,6 +151,25 @@ def test_a_failing_engine_stops_training_with_one_line(tmp_path, tiny_target_dir
     assert (tmp_path / "spool" / "engine-0.log").exists()  # kept: the error names it
 
 
+@pytest.mark.parametrize("slow,flag,said", [("STUB_START_S", "--engine-start-min", "did not start within 0.02 min"),
+                                             ("STUB_DELAY_S", "--engine-stall-min", "no heartbeat for 1 s (hung?)")])
+def test_an_engine_that_never_starts_or_hangs_stops_training_in_one_line(tmp_path, tiny_target_dir, split, stand_in,
+                                                                       monkeypatch, capsys, slow, flag, said):
+    import time
+
+    from blockdraft.cli import main
+
+    monkeypatch.setenv(slow, "30")
+    t0 = time.monotonic()
+    rc = main(["train", "--engine", "vllm", "--target", tiny_target_dir, "--data", str(split / "train.jsonl"),
+               "--max-length", str(L), "--steps", "2", "--batch-tokens", str(L), "--draft-layers", "1",
+               "--draft-vocab", "512", "--spool", str(tmp_path / "spool"), "--out", str(tmp_path / "run"),
+               "--no-progress", "--threads", "1", flag, "0.02"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and said in err[0], err
+    assert str(tmp_path / "spool" / "engine-0.log") in err[0] and time.monotonic() - t0 < 25
+
+
 @pytest.mark.slow
 def test_a_killed_trainer_leaves_no_engine_and_resumes_exactly(tmp_path, tiny_target_dir, split, stand_in):
     """kill -9 of the trainer: its engine notices and exits (no process keeps the GPUs); `--resume` starts
@@ -191,3 +210,130 @@ def test_a_killed_trainer_leaves_no_engine_and_resumes_exactly(tmp_path, tiny_ta
     assert json.loads((spool / "engine-0.json").read_text())["state"] == "stopped"
     subprocess.run([*run, "--resume"], env=env, check=True, capture_output=True)
     assert losses(out) == losses(whole)
+
+
+@pytest.mark.parametrize("who", ["engine and trainer", pytest.param("engine", marks=pytest.mark.slow)])
+def test_a_stop_signal_to_the_engine_saves_the_last_whole_step_and_resumes_exactly(tmp_path, tiny_target_dir, split,
+                                                                                   stand_in, who):
+    """SIGTERM to the engine and the trainer together, as a scheduler preempting the job sends it (or to the
+    engine alone): the step the engine can no longer feed is thrown away, the last whole one is saved, the
+    run exits 75, and `--resume` (a new engine) ends with the losses of a run never stopped. The spool holds
+    one row, so the trainer waits on the engine at every step and the signal lands mid-step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from blockdraft.engines.vllm.spool import state_bytes
+    from blockdraft.preempt import PREEMPTED
+
+    budget = 1.5 * state_bytes(L, 4, 32, 4) / 2**30  # one row's states (3 feature layers + the last, hidden 32,
+    # fp32, a header per document), not two
+    flags = ["-m", "blockdraft", "train", "--engine", "vllm", "--target", tiny_target_dir, "--data",
+             str(split / "train.jsonl"), "--eval-data", str(split / "held.jsonl"), "--max-length", str(L),
+             "--steps", "10", "--batch-tokens", str(L), "--draft-layers", "1", "--draft-vocab", "512", "--max-rows",
+             "0", "--eval-every", "5", "--no-progress", "--threads", "1", "--num-features", "3", "--spool-gib",
+             f"{budget:.9f}"]
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    whole = tmp_path / "whole"
+    subprocess.run([sys.executable, *flags, "--spool", str(tmp_path / "s1"), "--out", str(whole)], env=env,
+                   check=True, capture_output=True)
+    out, spool = tmp_path / "stopped", tmp_path / "s2"
+    run = [sys.executable, *flags, "--spool", str(spool), "--out", str(out)]
+    proc = subprocess.Popen(run, env={**env, "STUB_DELAY_S": "0.2"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    engine = int(json.loads((spool / "engine-0.json").read_text())["pid"])
+    os.kill(engine, signal.SIGTERM)
+    if who != "engine":
+        os.kill(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=120)
+    err = proc.stderr.read()
+    said = [ln for ln in err.splitlines() if "stopped by" in ln]
+    assert rc == PREEMPTED and len(said) == 1, err[-3000:]
+    assert ("SIGTERM" if who != "engine" else "a stop signal to the vLLM engines") in said[0]
+    assert "engine failed" not in err and "error:" not in err
+    saved = int(said[0].split("after step ")[1].split(":")[0])
+    assert 2 <= saved < 10 and [r[0] for r in losses(out)][-1] == saved  # nothing of the thrown-away step logged
+    subprocess.run([*run, "--resume"], env=env, check=True, capture_output=True)
+    assert losses(out) == losses(whole)
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_on_one_node_stops_every_node_in_one_line(tmp_path, tiny_target_dir, split, stand_in):
+    """Two torchrun nodes on this machine, each with its own engine (a folder of the spool each): node 1's
+    engine fails mid-run; node 0's rank, waiting in a collective, stops within seconds (not at the group's
+    hour) with one line naming the rank, the host, the engine's node, its cause and its log; both exit 2."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from conftest import free_port
+
+    port, codes = free_port(), tmp_path / "codes"
+    codes.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "RANK_EXIT_DIR": str(codes)}
+    procs = []
+    for node in (0, 1):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "rank_exit",
+             "train", "--engine", "vllm", "--target", tiny_target_dir, "--data", str(split / "train.jsonl"),
+             "--max-length", str(L), "--steps", "12", "--batch-tokens", str(L), "--draft-layers", "1",
+             "--draft-vocab", "512", "--spool", str(tmp_path / "spool"), "--out", str(tmp_path / "run"),
+             "--no-progress", "--threads", "1"],
+            env={**env, **({"STUB_FAIL_AFTER": "12"} if node == 1 else {})}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    failed = json.loads((tmp_path / "spool" / "node-1" / "engine-0.json").read_text())
+    gone = time.time() - float(failed["beat"])  # since node 1's engine wrote its failure
+    assert [p.returncode for p in procs] == [1, 1]  # torchrun's own, on a rank's failure
+    assert [f.read_text() for f in codes.iterdir()] == ["2"], errs  # node 1's rank returned
+    assert "(exitcode: 2) local_rank: 0" in errs[0], errs[0][-3000:]  # node 0's ended by its watcher
+    line = [ln for ln in errs[0].splitlines() if "error:" in ln]
+    assert len(line) == 1, errs[0][-3000:]
+    host = socket.gethostname()
+    assert f"rank 1 on {host} stopped, so this rank does too" in line[0]
+    assert f"the vLLM engine on node 1 ({host})" in line[0] and "told to fail here" in line[0]
+    assert str(tmp_path / "spool" / "node-1" / "engine-0.log") in line[0]
+    assert gone < 60, gone
+
+
+def test_fp8_states_train_as_their_cache_does_and_stay_within_fp8s_error(tmp_path, tiny_target_dir, split, stand_in):
+    """--engine-states fp8: the engine sends e4m3 states with a float32 scale per token, the reader
+    dequantizes them. Online training equals training from `extract --engine-states fp8`'s cache, step
+    by step; that cache's features are the full-precision cache's within fp8's rounding (3 mantissa bits:
+    each value within 2^-4 of itself, so each token's features too), and its manifest says how they
+    travelled."""
+    from blockdraft.data.features import DiskFeatures
+
+    caches = {}
+    for states in ("engine", "fp8"):
+        vllm = EngineOptions(engine="vllm", spool=str(tmp_path / f"spool-{states}"), engine_states=states)
+        for name in ("train", "held"):
+            run_extract(TargetOptions(target=tiny_target_dir, num_features=3),
+                        DataOptions(data=str(split / f"{name}.jsonl"), max_length=L),
+                        ExtractOptions(out=str(tmp_path / f"{name}-{states}")), vllm)
+        caches[states] = DiskFeatures(tmp_path / f"train-{states}")
+    n = torch.arange(caches["fp8"].rows["input_ids"].shape[0])
+    full, fp8 = caches["engine"](n).features, caches["fp8"](n).features
+    err = (fp8 - full).norm(dim=-1) / full.norm(dim=-1).clamp(min=1e-12)  # each token's: e4m3 rounds by <= 2^-4
+    assert 0 < err.max() <= 2**-4, err.max()
+    assert caches["fp8"].manifest["engine_states"] == "fp8" and "engine_states" not in caches["engine"].manifest
+    offline = config(tiny_target_dir, tmp_path / "offline",
+                     data=DataOptions(features_cache=str(tmp_path / "train-fp8"),
+                                      eval_features_cache=str(tmp_path / "held-fp8"), max_length=L, max_rows=0))
+    online = config(tiny_target_dir, tmp_path / "online",
+                    engine=EngineOptions(engine="vllm", spool=str(tmp_path / "spool"), engine_states="fp8"),
+                    data=DataOptions(data=str(split / "train.jsonl"), eval_data=str(split / "held.jsonl"), max_length=L,
+                                     max_rows=0))
+    run_training(offline)
+    run_training(online)
+    assert losses(tmp_path / "offline") == losses(tmp_path / "online")

@@ -95,6 +95,17 @@ def _fill_row(row: dict, r: int, docs: list[tuple[list[int], list[int]]], max_le
     return col
 
 
+def padding(rows: dict) -> torch.Tensor:
+    """[R, L] True at each row's padding: the positions after its last document. Every packed document
+    holds a loss token (`pack` drops the others), so the padding is whatever follows the document of a
+    row's last loss token (a full row has none)."""
+    mask, doc = rows["loss_mask"].bool(), rows["document_ids"]
+    L = mask.shape[1]
+    last = torch.where(mask.any(1), L - 1 - mask.flip(1).int().argmax(1), torch.full_like(mask[:, 0], -1, dtype=torch.long))
+    last_doc = doc.gather(1, last.clamp(min=0)[:, None])
+    return (doc > last_doc) & (last[:, None] >= 0)
+
+
 def pack(examples: Iterable[dict], max_length: int, pad_token_id: int, *, return_stats: bool = False):
     """Pack examples ({"input_ids", "loss_mask"}) into LongTensors [R, max_length].
 

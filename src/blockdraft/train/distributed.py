@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,76 @@ def init_from_env(device: str, timeout_min: float | None = None, gpu_offset: int
     minutes = DEFAULT_TIMEOUT_MIN if timeout_min is None else float(timeout_min)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=minutes), **kw)
     set_comm_device(backend_device(backend, device))
+    if dist.get_world_size() > 1:
+        watch_aborts()
     return dist.get_rank(), dist.get_world_size(), device
+
+
+# ------------------------------------------------------------------ one rank's failure stops them all
+ABORT_KEY = "blockdraft/abort"
+WATCH_S = 2.0  # how often every rank looks for another's failure
+ABORT_GRACE_S = 3.0  # how long a failed rank waits after posting, before its exit cuts its peers' connections
+_WATCH: dict = {}
+
+
+def _store():
+    """The group's key-value store (torchrun's rendezvous store), or None where there is none to reach."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def post_abort(line: str) -> None:
+    """This rank stopped on an error (`line`, what it printed): every other rank stops within WATCH_S
+    too, saying which rank, on which host, and why, instead of waiting in a collective until the
+    group's timeout (an hour by default)."""
+    import socket
+
+    store = _store() if grouped() else None
+    if store is None:
+        return
+    try:
+        store.set(ABORT_KEY, f"{dist.get_rank()}\t{socket.gethostname()}\t{line}")
+    except Exception:  # noqa: BLE001 (the store's server may be gone with its rank: the timeout is left)
+        return
+    time.sleep(ABORT_GRACE_S)  # the others read it before this process's exit breaks their collectives
+
+
+def watch_aborts(period: float = WATCH_S) -> None:
+    """A daemon thread that ends this process (exit 2, one line) once another rank has posted a failure."""
+    import sys
+    import threading
+
+    store, me = _store(), dist.get_rank()
+    if store is None or _WATCH.get("thread") is not None:
+        return
+    done = _WATCH["done"] = threading.Event()
+    command = next((a for a in sys.argv[1:2] if a.isalpha()), "")
+
+    def watch() -> None:
+        while not done.wait(period):  # a check, not the store's blocking wait, which logs each timeout
+            try:
+                if not store.check([ABORT_KEY]):
+                    continue
+                rank, host, line = store.get(ABORT_KEY).decode().split("\t", 2)
+            except Exception:  # noqa: BLE001 (the store went with its host: the collective's own error is left)
+                return
+            if int(rank) == me:
+                return
+            print(f"blockdraft{' ' + command if command else ''}: error: rank {rank} on {host} stopped, so this "
+                  f"rank does too: {line}", file=sys.stderr, flush=True)
+            os._exit(2)
+
+    _WATCH["thread"] = threading.Thread(target=watch, name="blockdraft-abort-watch", daemon=True)
+    _WATCH["thread"].start()
+
+
+def stop_watching() -> None:
+    if _WATCH.get("thread") is not None:
+        _WATCH["done"].set()
+        _WATCH["thread"].join()
+        _WATCH.clear()
 
 
 _LEFT = False  # this process left a group it had joined (cli.entry then exits without the teardown)
@@ -69,6 +139,7 @@ def leave() -> None:
         # every rank gets here only after a clean finish; leaving together keeps a rank's teardown
         # from cutting a peer's connection while it still sends (gloo aborts the peer then)
         dist.barrier()
+        stop_watching()
         dist.destroy_process_group()
         _LEFT = True
     set_comm_device(None)

@@ -44,8 +44,8 @@ class ExtractOptions:
 
 # EngineOptions' flags extract takes (--dtype is the engine's precision; its GPUs are all the engine's)
 ENGINE_FLAGS = ("engine", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "data_parallel_size",
-                "engine_memory", "quantization", "engine_eager", "engine_untested", "engine_python", "spool",
-                "spool_gib")
+                "engine_memory", "quantization", "engine_eager", "engine_states", "engine_start_min", "engine_stall_min",
+                "engine_untested", "engine_python", "spool", "spool_gib")
 
 
 def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions,
@@ -134,7 +134,7 @@ def _extract_with_vllm(target_opts: TargetOptions, data: DataOptions, opts: Extr
     todo = [k for k in range((R + shard_rows - 1) // shard_rows) if f"shard-{k:05d}.safetensors" not in written]
     order = [r for k in todo for r in range(k * shard_rows, min(R, (k + 1) * shard_rows))]
     if not order:  # every shard is there: the manifest is made whole, no engine starts
-        extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, identity={"engine": "vllm"})
+        extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, identity=vllm_identity(engine))
         return str(out)
     _capture_shards(target, rows, out, order, shard_rows, dtype, engine)
     return str(out)
@@ -153,7 +153,8 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
     L, ids = rows["input_ids"].shape[1], capture_ids(target.layer_ids, target.num_layers)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     root = spool_dir(engine, out)
-    want = {"target": str(target.local_dir), "aux_ids": ids, "dtype": str(dtype).replace("torch.", "")}
+    want = {"target": str(target.local_dir), "aux_ids": ids, "dtype": str(dtype).replace("torch.", ""),
+            "states": engine.engine_states}
     print(f"extract: vLLM captures {len(order)} rows ({len(order) * L:,} tokens), layers {ids} (vLLM's aux ids: the "
           f"inputs of those layers, i.e. blockdraft's {list(target.layer_ids)} + 1, and the last layer's output)")
     engines = open_engines(root, want, engine, max_model_len=L + 8, itemsize=itemsize,
@@ -164,11 +165,12 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
         served = engines.wait_ready()[0]  # what vLLM serves, recorded beside the cache's identity
         t0 = time.perf_counter()
         budget = budget_of(root)
-        reader = SpoolReader(StateReader(target, rows, final_norm_of(target.model), itemsize), engines.spool, engines,
+        reader = SpoolReader(StateReader(target, rows, final_norm_of(target.model), itemsize,
+                                         fp8=engine.engine_states == "fp8"), engines.spool, engines,
                              "extract", budget)
         per_row = reader.reader.nbytes(torch.tensor([order[0]]))
         outputs = RowsAhead(reader, order, lookahead=max(2, min(256, budget // max(1, per_row))))
-        extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, outputs=outputs, identity={"engine": "vllm"},
+        extract(target, rows, out, shard_rows=shard_rows, dtype=dtype, outputs=outputs, identity=vllm_identity(engine),
                 info={"engine_dtype": served.get("dtype"), "quantization": served.get("quantization"),
                       "engine_layout": served.get("layout"), "engine_replicas": len(engines.replicas)})
         throughput(len(order) * L, time.perf_counter() - t0, "captured by vLLM, written as shards with the final norm "
@@ -177,7 +179,12 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
     finally:
         if reader is not None:
             reader.close()
-        engines.stop(remove=ok)
+        engines.stop(remove=ok, timeout=120.0 if ok else 5.0)  # a failed run waits on no hung engine
+
+
+def vllm_identity(engine: EngineOptions) -> dict:
+    """What a vLLM cache's shards must share to be completed together: fp8 states are a different capture."""
+    return {"engine": "vllm", **({"engine_states": "fp8"} if engine.engine_states == "fp8" else {})}
 
 
 def _check_vllm_extract(target_opts: TargetOptions, engine: EngineOptions) -> None:

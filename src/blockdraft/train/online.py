@@ -39,7 +39,7 @@ class Online:
         for f in (self.train_features, self.eval_features):
             if f is not None:
                 f.close()
-        for k, st in enumerate(self.engines.stop(remove=ok)):
+        for k, st in enumerate(self.engines.stop(remove=ok, timeout=120.0 if ok else 5.0)):
             figures = {key: st.get(key) for key in ("tokens", "items", "busy_s", "peak_bytes")}
             print(f"engine: replica {k} captured: {json.dumps(figures)}")
 
@@ -71,7 +71,8 @@ def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
 
 def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Online:
     """Start this node's engines (or join the ones running on its spool) and make this rank's readers."""
-    from ..engines.vllm.capture import OnlineFeatures, SpoolReader, StateReader, capture_ids, check_can_capture
+    from ..engines.vllm.capture import (OnlineFeatures, SpoolReader, StateReader, StopGuard, capture_ids,
+                                        check_can_capture)
     from ..engines.vllm.launch import attach_engines, budget_of, open_engines
     from ..engines.vllm.spool import Spool
     from ..serving.base import architectures
@@ -86,7 +87,7 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     root = spool_dir(opts, cfg.train.out, node_rank())
     want = {"target": str(target.local_dir), "aux_ids": capture_ids(target.layer_ids, target.num_layers),
-            "dtype": dtype}
+            "dtype": dtype, "states": opts.engine_states}
     engines = None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # the node's engines, started once per node
         engines = open_engines(root, want, opts, max_model_len=train_rows["input_ids"].shape[1] + 8,
@@ -94,7 +95,11 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
                                architectures=architectures(target))
     barrier()  # the node's spool is ready before any rank reads it
     if engines is None:
-        engines = attach_engines(Spool(root))
+        engines = attach_engines(Spool(root), opts=opts)
+    if node_rank() is not None:  # several nodes: an engine's failure names its own
+        import socket
+
+        engines.where = f"on node {node_rank()} ({socket.gethostname()}) "
     states = engines.wait_ready(progress=print if rank == 0 else (lambda s: None))
     if rank == 0:
         print("engine: ready (" + "; ".join(f"replica {r.index}: {st.get('dtype')}"
@@ -106,12 +111,14 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     norm = final_norm_of(target.model)
 
     def reader(rows, suffix):
-        return SpoolReader(StateReader(target, rows, norm, itemsize), engines.spool, engines, f"{tag}-r{rank}{suffix}",
-                           budget)
+        return SpoolReader(StateReader(target, rows, norm, itemsize, labels_only=True,
+                                       fp8=opts.engine_states == "fp8"), engines.spool, engines,
+                           f"{tag}-r{rank}{suffix}", budget)
 
     # requests are small (token ids); the engines hold the spool to its budget however far ahead they go
-    train_f = OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD)
-    eval_f = OnlineFeatures(reader(eval_rows, "e"), lookahead=LOOKAHEAD) if eval_rows is not None else None
+    # a preemption that stops the engines mid-step throws that step away on every rank (StopGuard)
+    train_f = StopGuard(OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD))
+    eval_f = StopGuard(OnlineFeatures(reader(eval_rows, "e"), lookahead=LOOKAHEAD)) if eval_rows is not None else None
     served = [{"dtype": st.get("dtype"), "quantization": st.get("quantization"), "layout": st.get("layout")}
               for st in states]
     return Online(engines, train_f, eval_f, served)

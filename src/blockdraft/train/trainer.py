@@ -17,7 +17,7 @@ from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
 from ..finite import check_step
 from ..ownership import write_text
-from ..preempt import Preempted, StopSignals
+from ..preempt import Preempted, StepLost, StopSignals
 from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
                           gradient_sync, grouped, world)
 from .cadence import Cadence, poll, rank0_says
@@ -58,14 +58,19 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def feature_scale_from(features: torch.Tensor) -> torch.Tensor:
-    """1 / RMS of every feature dimension (the target's outlier dimensions reach RMS ~10^2-10^3)."""
-    return 1.0 / features.float().pow(2).mean(dim=(0, 1)).sqrt().clamp(min=1e-2)
+def feature_scale_from(features: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """1 / RMS of every feature dimension (the target's outlier dimensions reach RMS ~10^2-10^3) over the
+    positions `keep` marks ([n, L]; the data's, not the padding's, which an engine never computes)."""
+    rows = features.float()[keep] if keep is not None else features.float().flatten(0, 1)
+    return 1.0 / rows.pow(2).mean(dim=0).sqrt().clamp(min=1e-2)
 
 
 def rows_per_batch(cfg: TrainConfig, train_rows: dict) -> int:
     """Whole packed rows per micro-batch (training and its held-out evaluation alike)."""
     return max(1, cfg.batch_tokens // train_rows["input_ids"].shape[1])
+
+
+ENGINE_SIGNALLED = "a stop signal to the vLLM engines"  # the stop's name when only the engines got it
 
 
 class Trainer:
@@ -169,15 +174,18 @@ class Trainer:
         """The per-dimension feature scale, from the first few training rows (the same rows on every
         rank, so every rank starts the same drafter; a memo does not keep them: they may be another
         rank's)."""
+        from ..data.packing import padding
+
         idx = torch.arange(min(n_rows, self.train_rows["input_ids"].shape[0]))
+        keep = ~padding({k: self.train_rows[k][idx] for k in ("loss_mask", "document_ids")})
         if self.train_features is not None:
             self._at(self.progress["step"])
             read = getattr(self.train_features, "compute", self.train_features)
-            return feature_scale_from(read(idx).features)
+            return feature_scale_from(read(idx).features, keep)
         b = rows_batch(self.train_rows, idx)
         dev = self.target.device
         return feature_scale_from(self.target(b.input_ids.to(dev), position_ids=b.position_ids.to(dev),
-                                              return_logits=False).features)
+                                              return_logits=False).features, keep.to(dev))
 
     # ----------------------------------------------------------------- data order
     def global_micro(self, step: int, micro: int) -> int:
@@ -337,6 +345,7 @@ class Trainer:
     def step(self) -> dict:
         cfg, s = self.cfg, self.progress["step"]
         t_start = time.perf_counter()
+        rng = torch.get_rng_state()  # put back if the step is thrown away (StepLost)
         lr = lr_at(s, self.total, cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -362,10 +371,15 @@ class Trainer:
             for k in agg:
                 agg[k] += m[k] / cfg.grad_accum
             tokens += int(b.input_ids.numel()) * self.world
-        self.progress["tokens"] += tokens
         if not self.fsdp:  # FSDP has already reduce-scattered (averaged) the gradients
             average_gradients(self.drafter.parameters())
+        agg["lost"] = float(bool(getattr(self.train_features, "lost", False)))  # a stopped engine's zeros read
         agg = all_reduce_mean(agg)
+        if agg.pop("lost") > 0:  # on some rank: every rank throws the step away, as if it never started
+            self.opt.zero_grad(set_to_none=True)
+            torch.set_rng_state(rng)
+            raise StepLost(f"step {s + 1} read features a stopped engine never made")
+        self.progress["tokens"] += tokens
         agg["grad_norm"] = clip_grad_norm(self.drafter.parameters(), cfg.grad_clip)
         check_step(s + 1, agg["loss"], agg["grad_norm"], rows)  # the same on every rank (reduced): all stop
         self.opt.step()
@@ -396,7 +410,11 @@ class Trainer:
         self._saved_at = time.monotonic()
         with StopSignals(lead) as signals:  # SIGTERM, SIGUSR1, a first Ctrl-C: save this step and stop
             while self.progress["step"] < self.total:
-                m = self.step()
+                try:
+                    m = self.step()
+                except StepLost:  # the engines were stopped mid-step: the last whole step is saved
+                    bar.close()
+                    self._stop(None, signals.got or ENGINE_SIGNALLED)
                 self.progress["elapsed"] = time.time() - t0
                 m["elapsed"] = self.progress["elapsed"]
                 step = self.progress["step"]
@@ -404,7 +422,11 @@ class Trainer:
                 if stop and step < self.total:
                     bar.close()
                     self._stop(m, signals.got)
-                got = self._evaluate(step, m, bar)
+                try:
+                    got = self._evaluate(step, m, bar)
+                except StepLost:  # during the held-out evaluation: this step is whole, and saved
+                    bar.close()
+                    self._stop(m, signals.got or ENGINE_SIGNALLED)
                 last_eval = last_eval if got is None else got
                 if step % self.cfg.log_every == 0 or "eval_tau" in m:
                     self.log(m)
@@ -428,6 +450,9 @@ class Trainer:
             self.target, self.drafter, self.eval_rows, self.cfg, self.rows_per_batch, self.eval_features,
             collective_forward=self.collective_forward))
         bar.set_description("train")
+        if getattr(self.eval_features, "lost", None) is not None and all_reduce_mean(
+                {"lost": float(self.eval_features.lost)})["lost"] > 0:  # a stopped engine's zeros: not logged
+            raise StepLost(f"the evaluation after step {step} read features a stopped engine never made")
         m.update(got)
         if self.cfg.save_best and "eval_tau" in got:
             self._keep_best(step, got["eval_tau"])
@@ -458,11 +483,12 @@ class Trainer:
         self.save_cadence.run(self.save)
         self._saved_at = time.monotonic()
 
-    def _stop(self, m: dict, signame: str | None) -> None:
+    def _stop(self, m: dict | None, signame: str | None) -> None:
         """A stop was asked on some rank: this step logged (its held-out evaluation, if due, skipped:
-        the save comes first) and saved by every rank, the helper threads stopped; raises Preempted."""
+        the save comes first) and saved by every rank, the helper threads stopped; raises Preempted.
+        `m` None: the step was thrown away (StepLost), the last whole one is saved."""
         step = self.progress["step"]
-        if step % self.cfg.log_every == 0:
+        if m is not None and step % self.cfg.log_every == 0:
             self.log(m)
         if self.saved_step != step:
             self._save_now()

@@ -77,47 +77,85 @@ class StateReader:
     """Rows' target outputs put together from the engine's files: features of the chosen layers in
     config order, the final state from the target's own final norm, and the argmax of its own head."""
 
-    def __init__(self, target, rows: dict, final_norm, itemsize: int):
-        self.target, self.rows, self.norm = target, rows, final_norm
+    def __init__(self, target, rows: dict, final_norm, itemsize: int, labels_only: bool = False, fp8: bool = False):
+        """`labels_only`: the argmax only where a label reads it (the position before each loss token),
+        for a trainer; a cache (extract) keeps it everywhere. `fp8`: the engine sends fp8 states with
+        per-token scales (--engine-states fp8), dequantized here."""
+        from ...data.packing import padding
+
+        self.target, self.rows, self.norm, self.labels_only = target, rows, final_norm, labels_only
         self.ids = capture_ids(target.layer_ids, target.num_layers)
         self.pick = [self.ids.index(hidden_states_index(L)) for L in target.layer_ids]  # config order
-        self.itemsize = itemsize
+        self.itemsize, self.fp8 = itemsize, fp8
+        self.pad = padding(rows)  # never sent to the engine: no document reads it, its states stay zeros
+
+    def captured(self, idx) -> list[tuple[int, int, int]]:
+        """The rows' documents the engine computes: every segment but the padding."""
+        return [seg for seg in segments(self.rows, idx) if not self.pad[seg[0], seg[1]]]
 
     def documents(self, idx) -> list[tuple[str, list[int]]]:
-        return [(segment_name(s), self.rows["input_ids"][s[0], s[1]:s[2]].tolist()) for s in segments(self.rows, idx)]
+        return [(segment_name(s), self.rows["input_ids"][s[0], s[1]:s[2]].tolist()) for s in self.captured(idx)]
 
     def nbytes(self, idx) -> int:
         """What the item's files take in the spool."""
-        return sum(state_bytes(e - s, len(self.ids), self.target.hidden_size, self.itemsize)
-                   for _, s, e in segments(self.rows, idx))
+        return sum(state_bytes(e - s, len(self.ids), self.target.hidden_size, self.itemsize, self.fp8)
+                   for _, s, e in self.captured(idx))
+
+    def placeholder(self, idx) -> "StoredOutputs":  # noqa: F821 (data.features)
+        """Zeros of the shapes `assemble` gives: what a step that will be thrown away computes with, so
+        that every rank runs the same collectives (`StopGuard`)."""
+        from ...data.features import StoredOutputs
+
+        n, L, H = len(idx), self.rows["input_ids"].shape[1], self.target.hidden_size
+        dt = self.target.dtype
+        return StoredOutputs(torch.zeros(n, L, len(self.pick) * H, dtype=dt), torch.zeros(n, L, H, dtype=dt),
+                             torch.zeros(n, L, dtype=torch.long))
 
     @torch.no_grad()
     def assemble(self, idx, path_of) -> "StoredOutputs":  # noqa: F821 (data.features)
-        from safetensors.torch import load_file
-
+        """The rows' outputs from the engine's files, each state copied once, from the mapped file into
+        these tensors (`states.read_states`); the padding's states are zeros."""
         from ...data.features import StoredOutputs, full_argmax
+        from .states import SCALES, dequantize, read_states
 
-        n, L, H = len(idx), self.rows["input_ids"].shape[1], self.target.hidden_size
+        n, L, H, F = len(idx), self.rows["input_ids"].shape[1], self.target.hidden_size, len(self.pick)
         dev, dt = self.target.device, self.target.dtype
-        feats = torch.empty(n, L, len(self.pick) * H, dtype=dt)
+        feats = torch.empty(n, L, F * H, dtype=dt)
         last = torch.empty(n, L, H, dtype=dt)
         where = {int(r): i for i, r in enumerate(idx)}
+        pick = torch.tensor(self.pick)
         for seg in segments(self.rows, idx):
             r, s, e = seg
+            i = where[r]
+            if self.pad[r, s]:
+                feats[i, s:e], last[i, s:e] = 0, 0
+                continue
             path = path_of(seg)
-            got = load_file(str(path))
+            got = read_states(str(path))
             want = self.rows["input_ids"][r, s:e]
             if not torch.equal(got["token_ids"].to(want.dtype), want):
                 raise ValueError(f"{path} holds other tokens than row {r} [{s}:{e}]: the engine answered another "
                                  "request (delete the spool and rerun)")
             hs = got["hidden_states"]  # [T, k, Ht] in `self.ids` order
+            if SCALES in got:  # fp8 states: one copy back to the training dtype
+                hs = dequantize(hs, got[SCALES], dt)
             if hs.shape[1:] != (len(self.ids), H):
                 raise ValueError(f"{path} has states {tuple(hs.shape)}, expected [T, {len(self.ids)}, {H}]: the "
                                  "engine captured other layers than these")
-            feats[where[r], s:e] = hs[:, self.pick].reshape(e - s, -1).to(dt)
-            last[where[r], s:e] = hs[:, -1].to(dt)
+            if hs.dtype == dt:  # straight into the row: the one copy
+                torch.index_select(hs, 1, pick, out=feats[i, s:e].view(e - s, F, H))
+            else:
+                feats[i, s:e] = hs[:, pick].reshape(e - s, -1)
+            last[i, s:e] = hs[:, -1]
         final = torch.cat([self.norm(last[i:i + 1].to(dev)).cpu() for i in range(n)])
-        return StoredOutputs(feats, final, full_argmax(self.target, final.to(dev)).cpu())
+        if not self.labels_only:
+            return StoredOutputs(feats, final, full_argmax(self.target, final.to(dev)).cpu())
+        mask = self.rows["loss_mask"][torch.as_tensor(idx)].bool()
+        need = torch.zeros_like(mask)
+        need[:, :-1] = mask[:, 1:]  # the label of the token at p is the target's choice at p - 1
+        top = torch.zeros(n, L, dtype=torch.long)
+        top[need] = full_argmax(self.target, final[need].to(dev)).cpu()
+        return StoredOutputs(feats, final, top)
 
 
 class SpoolReader:
@@ -220,6 +258,54 @@ class OnlineFeatures:
 
     def close(self) -> None:
         self.r.close()
+
+
+class StopGuard:
+    """A rank's online feature source while the run may be preempted: when the engines were stopped by a
+    signal, or failed once this process was asked to stop (a scheduler signals every process of a job at
+    once, and either may notice first), a read answers with zeros of the right shapes and marks the
+    source `lost` instead of raising. The step (or evaluation) that read them then runs its collectives
+    like every other rank's and is thrown away by all of them together (the trainer all-reduces `lost`),
+    and the run saves the last whole step and exits as preempted."""
+
+    GRACE_S = 5.0  # how long a failure waits for this process's own stop signal to arrive
+
+    def __init__(self, source: OnlineFeatures):
+        self.source, self.lost = source, False
+        self.prefetch = source.prefetch
+
+    def _stopping(self, e: Exception) -> bool:
+        from ...preempt import noted
+        from .job import EngineStopped
+
+        if isinstance(e, EngineStopped) or noted():
+            return True
+        deadline = time.monotonic() + self.GRACE_S
+        while time.monotonic() < deadline and not noted():
+            time.sleep(0.05)
+        return noted() is not None
+
+    def _guarded(self, read, idx):
+        from .job import EngineFailed
+
+        if self.lost:
+            return self.source.r.reader.placeholder(idx)
+        try:
+            return read(idx)
+        except EngineFailed as e:
+            if not self._stopping(e):
+                raise
+            self.lost, self.why = True, str(e)
+            return self.source.r.reader.placeholder(idx)
+
+    def __call__(self, idx):
+        return self._guarded(self.source, idx)
+
+    def compute(self, idx):
+        return self._guarded(self.source.compute, idx)
+
+    def __getattr__(self, name):  # at, begin, close: the source's own
+        return getattr(self.source, name)
 
 
 class RowsAhead:

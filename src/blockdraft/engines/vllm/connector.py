@@ -14,8 +14,11 @@ own code:
   reads that layer's own block size when its group holds several specs.
 * **The copy on a CPU.** vLLM copies each finished request's states on a CUDA stream into pinned
   memory, which fails on a CPU ("pin_memory=True requires a CUDA or other accelerator backend"). When
-  the cache lives on the CPU the states are read out and written synchronously, so a file is complete
-  when `generate` returns; on CUDA vLLM's own asynchronous copy runs.
+  the cache lives on the CPU the states are copied block by block straight from the cache into the
+  mapped file (`states.StatesFile`: one copy), synchronously, so a file is complete when its request
+  is; on CUDA vLLM's own asynchronous copy into pinned memory runs, and its writer thread then copies
+  that once into the mapped file (`states.write_states`) where vLLM's would serialize it to bytes and
+  write those (two copies).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, extract_from_kv_cache)
+
+from .states import StatesFile, write_states
 
 HIDDEN_LAYER = "cache_only_layers."  # the name vLLM gives the hidden-states layer (extract_hidden_states.py)
 
@@ -65,23 +69,54 @@ class BlockdraftHiddenStatesConnector(ExampleHiddenStatesConnector):
             return spec.block_size
         return ExampleHiddenStatesConnector._get_cache_block_size(vllm_config, kv_cache_config, cache_kv_group_id)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # `--engine-states fp8`: fp8 with a scale per token (states.quantize), half of bf16's bytes
+        self._fp8 = self._kv_transfer_config.get_from_extra_config("blockdraft_states", "engine") == "fp8"
+
+    def _write_tensors(self, tensors, event, filename: str, lock_fd) -> None:
+        """vLLM's writer thread (CUDA): the pinned states copied once into the mapped file (quantized
+        first under fp8)."""
+        try:
+            event.synchronize()
+            write_states(filename, tensors["hidden_states"], tensors["token_ids"], fp8=self._fp8)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases the lock a reader may wait on
+
     def _submit_async_write(self, pending) -> None:
         if self._kv_cache is not None and self._kv_cache.device.type != "cpu":
             return super()._submit_async_write(pending)
         if not self._is_tp_rank_zero:
             return
-        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
-        slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)[None]).flatten()
-        states = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device),
-                                       pending.token_ids.shape[0]).to("cpu", copy=True)
         os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
         tmp = f"{pending.filename}.tmp{os.getpid()}"
         try:
-            save_file({"hidden_states": states.contiguous(), "token_ids": pending.token_ids.clone()}, tmp)
+            self._write_from_cache(tmp, pending)
             os.replace(tmp, pending.filename)
         finally:
             fd = self._lock_fds.pop(pending.req_id, None)
             if fd is not None:
                 os.close(fd)  # releases the lock a reader may wait on
         self._req_copy_events[pending.req_id] = _Done()
+
+    def _write_from_cache(self, path: str, pending) -> None:
+        """A finished request's states, from the CPU cache into its file."""
+        kv, T = self._kv_cache, int(pending.token_ids.shape[0])  # kv: [blocks, states, block size, hidden]
+        if self._fp8 or kv.shape[2] != self._block_size:  # vLLM's own gather, by slot (then quantized)
+            blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+            slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)[None]).flatten()
+            write_states(path, extract_from_kv_cache(kv, slots, T), pending.token_ids, fp8=self._fp8)
+            return
+        f = StatesFile(path, pending.token_ids, kv.shape[1], kv.shape[-1], kv.dtype)
+        try:  # each block's slots straight into the file: the one copy
+            at = 0
+            for b in pending.block_ids:
+                m = min(self._block_size, T - at)
+                if m <= 0:
+                    break
+                f.states[at:at + m].copy_(kv[b, :, :m].transpose(0, 1))
+                at += m
+        finally:
+            f.close()
 

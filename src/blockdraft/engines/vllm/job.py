@@ -32,6 +32,11 @@ class EngineFailed(RuntimeError):
     tail = ""
 
 
+class EngineStopped(EngineFailed):
+    """An engine stopped by a signal (SIGTERM, SIGINT: what a scheduler sends every process of a job it
+    preempts), not by a fault of its own."""
+
+
 def counters(llm) -> dict:
     out = {}
     for m in llm.get_metrics():

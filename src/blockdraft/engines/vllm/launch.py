@@ -28,13 +28,14 @@ from pathlib import Path
 import blockdraft
 
 from ...locks import pid_alive
-from .feed import STAND_IN
-from .job import EngineFailed, exit_reason, stated_cause
+from .feed import STAND_IN, STOP_SIGNALS
+from .job import EngineFailed, EngineStopped, exit_reason, stated_cause
 from .spool import IDENTITY, STOP, Spool
 
 OWNER = "spool"  # the ownership marker of a spool directory blockdraft made
 PLUGIN_DIST = "blockdraft_vllm_plugin-0.dist-info"
-STALL_S = 3600.0  # a ready replica that has not beaten for this long is taken as hung
+STALL_S = 600.0  # a ready replica that has not beaten for this long is taken as hung (--engine-stall-min)
+START_S = 3600.0  # a replica that has not said it is ready after this long failed to start (--engine-start-min)
 
 
 def plugin_path(root: Path) -> Path:
@@ -130,6 +131,8 @@ class Replica:
             if error and said and said not in error and error.split(":")[0] not in said:
                 return f"{said} (then {error.split(':')[0]})"  # the root cause first, then what reached the top
             return error or said or "it failed (its log says no more)"
+        if st.get("signal"):
+            return f"a stop signal ended it ({st['signal']})"
         if rc is not None:
             said = self.cause()
             return exit_reason(rc) + (f": {said}" if said else "")
@@ -141,6 +144,14 @@ class Replica:
         if st.get("state") == "ready" and time.time() - float(st.get("beat", time.time())) > stall_s:
             return f"no heartbeat for {stall_s:.0f} s (hung?)"
         return None
+
+    def signalled(self) -> bool:
+        """Whether a stop signal ended it (its status says so, or its exit code is a signal's)."""
+        import signal as sig
+
+        rc = self.proc.poll() if self.proc is not None else None
+        stops = {int(getattr(sig, n)) for n in STOP_SIGNALS}
+        return bool(self.read().get("signal")) or (rc is not None and (-rc in stops or rc - 128 in stops))
 
     def cause(self) -> str | None:
         """What the replica's log says of why it stopped (None when it says nothing: a kill from outside)."""
@@ -157,24 +168,34 @@ class Engines:
     spool: Spool
     replicas: list[Replica] = field(default_factory=list)
     stall_s: float = STALL_S
+    start_s: float = START_S
+    where: str = ""  # "on NODE " where several nodes each run their own (named in its errors)
 
     def check(self) -> None:
-        """Raise EngineFailed (one line: vLLM's reason and the log) if any replica cannot serve."""
+        """Raise EngineFailed (one line: where, vLLM's reason and the log) if any replica cannot serve;
+        EngineStopped where a stop signal ended it."""
         for r in self.replicas:
             why = r.problem(self.stall_s)
             if why is not None:
-                raise EngineFailed(f"the vLLM engine feeding {self.spool.root} (replica {r.index}) stopped: {why} "
-                                   f"(its log: {r.log})")
+                kind = EngineStopped if r.signalled() else EngineFailed
+                raise kind(f"the vLLM engine {self.where}feeding {self.spool.root} (replica {r.index}) stopped: {why} "
+                           f"(its log: {r.log})")
 
     def wait_ready(self, progress=print) -> list[dict]:
-        """Block until every replica says it is ready (a start can take many minutes: loading, compiling);
-        returns their statuses."""
+        """Block until every replica says it is ready (a start can take many minutes: loading, compiling),
+        at most `start_s`; returns their statuses."""
         t0, said = time.time(), 0.0
         while True:
             self.check()
             states = [r.read() for r in self.replicas]
             if all(s.get("state") == "ready" for s in states):
                 return states
+            late = next((r for r, s in zip(self.replicas, states) if s.get("state") != "ready"), None)
+            if time.time() - t0 > self.start_s and late is not None:
+                said = late.cause()
+                raise EngineFailed(f"the vLLM engine {self.where}feeding {self.spool.root} (replica {late.index}) did "
+                                   f"not start within {self.start_s / 60:g} min (--engine-start-min)"
+                                   + (f"; its log last said: {said}" if said else "") + f" (its log: {late.log})")
             if time.time() - t0 - said >= 60:
                 said = time.time() - t0
                 progress(f"engine: waiting for vLLM to start ({said:.0f} s; log: {self.replicas[0].log})")
@@ -247,6 +268,26 @@ def cpu_binding(replicas: int, ranks: int, listed: str | None = None, cores: lis
     return ["|".join(_span(c) for c in shares[k * ranks:(k + 1) * ranks]) for k in range(replicas)]
 
 
+def core_set(binding: str) -> set[int]:
+    """The cores a `VLLM_CPU_OMP_THREADS_BIND` value names (every rank's), empty for auto and nobind."""
+    out: set[int] = set()
+    for part in binding.replace("|", ",").split(","):
+        a, _, b = part.strip().partition("-")
+        if a.isdigit():
+            out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def keep_on(pid: int, binding: str) -> None:
+    """Pin a CPU replica's process to its ranks' cores (its children inherit them)."""
+    cores = core_set(binding)
+    try:
+        if cores:
+            os.sched_setaffinity(pid, cores)
+    except OSError:  # gone already (its status says why), or cores this machine lacks (vLLM's bind says so)
+        pass
+
+
 def engine_env(spool_root: Path, devices: str | None, plugin: dict, cores: str | None = None) -> dict:
     """A replica's environment: blockdraft and its plugin on PYTHONPATH, its GPUs (`devices`), or on a
     CPU its ranks' cores (`cores`, `cpu_binding`)."""
@@ -273,7 +314,8 @@ def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: i
     ranks = int(job.get("tensor_parallel_size", 1)) * int(job.get("pipeline_parallel_size", 1))
     cores = None if gpus_per_replica else cpu_binding(replicas, ranks, os.environ.get(BIND))
     out = Engines(spool)
-    (spool.root / IDENTITY).write_text(json.dumps({k: job[k] for k in ("target", "aux_ids", "dtype", "budget")}))
+    (spool.root / IDENTITY).write_text(json.dumps({k: job[k] for k in ("target", "aux_ids", "dtype", "budget", "states")
+                                                   if k in job}))
     for k in range(replicas):
         status, log = spool.root / f"engine-{k}.json", spool.root / f"engine-{k}.log"
         sub = dict(job, spool=str(spool.root), status=str(status), tmp_dir=str(spool.root / f"tmp-{k}"),
@@ -287,15 +329,25 @@ def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: i
             proc = subprocess.Popen([python, "-m", "blockdraft.engines.vllm.feed", str(path)],
                                     env=engine_env(spool.root, devices, plugin or {}, cores and cores[k]), stdout=fh,
                                     stderr=subprocess.STDOUT, start_new_session=True)
+        if cores:  # the replica and every process vLLM starts run on its cores, not on the trainer's
+            keep_on(proc.pid, cores[k])
         out.replicas.append(Replica(k, status, log, proc))
     return out
 
 
-def attach_engines(spool: Spool, replicas: int | None = None) -> Engines:
-    """The replicas another process on this node started for this spool (all of them by default)."""
+def attach_engines(spool: Spool, replicas: int | None = None, opts=None) -> Engines:
+    """The replicas another process on this node started for this spool (all of them by default);
+    `opts`: the command's EngineOptions, whose timeouts apply."""
     n = replicas if replicas is not None else len(list(spool.root.glob("engine-*.job.json")))
-    return Engines(spool, [Replica(k, spool.root / f"engine-{k}.json", spool.root / f"engine-{k}.log")
-                           for k in range(n)])
+    return timed(Engines(spool, [Replica(k, spool.root / f"engine-{k}.json", spool.root / f"engine-{k}.log")
+                                 for k in range(n)]), opts)
+
+
+def timed(engines: Engines, opts) -> Engines:
+    """The engines with the start and stall timeouts of `opts` (EngineOptions; None: the defaults)."""
+    if opts is not None:
+        engines.start_s, engines.stall_s = 60 * opts.engine_start_min, 60 * opts.engine_stall_min
+    return engines
 
 
 def running(root: Path, want: dict) -> Engines | None:
@@ -311,7 +363,8 @@ def running(root: Path, want: dict) -> Engines | None:
     if not alive:
         return None
     have = json.loads(ident.read_text())
-    bad = [k for k in ("target", "aux_ids", "dtype") if have.get(k) != want.get(k)]
+    bad = [k for k in ("target", "aux_ids", "dtype", "states") if have.get(k, "engine" if k == "states" else None)
+           != want.get(k, "engine" if k == "states" else None)]
     if bad:
         raise ValueError(f"{root} is fed by running engines for another setup ({', '.join(bad)}: "
                          f"{[have.get(k) for k in bad]} there, {[want.get(k) for k in bad]} here); stop them or "
@@ -329,7 +382,7 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
     engines = running(root, want)
     if engines is not None:
         say(f"engine: {len(engines.replicas)} vLLM replica(s) already feed {root}: joining them")
-        return engines
+        return timed(engines, opts)
     spool = prepare_spool(root)
     budget = spool_budget(opts, root)
     job = {**want, "max_model_len": max_model_len, "budget": budget, "quantization": opts.quantization,
@@ -341,7 +394,7 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
                             plugin={"architectures": architectures})
     say(f"engine: {opts.data_parallel_size} vLLM replica(s) starting for {want['target']} ({want['dtype']}; aux ids "
         f"{want['aux_ids']}); spool {root}, at most {budget / 2**30:.2f} GiB; logs {root}/engine-*.log")
-    return engines
+    return timed(engines, opts)
 
 
 def budget_of(root: Path) -> int:

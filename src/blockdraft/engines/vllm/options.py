@@ -71,6 +71,15 @@ class EngineOptions:
                                   "starts first, and each rank caps its memory at the rest")
     engine_eager: bool = opt(False, "--engine vllm: run the target without vLLM's compilation (a start minutes "
                                     "shorter, capture somewhat slower; what vLLM's --enforce-eager does)")
+    engine_states: str = opt("engine", "--engine vllm: the precision captured states travel to the trainer in: the "
+                                       "engine's own, or fp8 (e4m3) with one float32 scale per token over all its "
+                                       "layers (hs-connectors' FP8 layout): half of bf16's bytes, dequantized by the "
+                                       "reader", choices=("engine", "fp8"))
+    engine_start_min: float = opt(60.0, "--engine vllm: minutes an engine may take to start (loading, compiling) "
+                                        "before the run stops, naming its log", above=0)
+    engine_stall_min: float = opt(10.0, "--engine vllm: minutes a started engine may go without a sign of life (it "
+                                        "beats at least every minute, capturing or idle) before it is taken as hung",
+                                  above=0)
     engine_untested: bool = opt(False, "--engine vllm: start the capture engines where blockdraft never measured "
                                        "them exact: a vLLM release other than the one it was tested with, or a target "
                                        "class its plugin was not compared on (refused otherwise, in one line)")

@@ -45,9 +45,11 @@ def item_key(step: int, phase: int, k: int) -> str:
     return f"{int(step):010d}.{int(phase)}.{int(k):010d}"
 
 
-def state_bytes(tokens: int, n_states: int, hidden: int, itemsize: int) -> int:
-    """The size of one document's file: [T, k, H] states, [T] int64 token ids and a header."""
-    return tokens * (n_states * hidden * itemsize + 8) + 256
+def state_bytes(tokens: int, n_states: int, hidden: int, itemsize: int, fp8: bool = False) -> int:
+    """The size of one document's file: [T, k, H] states, [T] int64 token ids and a header (`fp8`: the
+    states one byte each, with a float32 scale per token)."""
+    per_token = n_states * hidden + 4 if fp8 else n_states * hidden * itemsize
+    return tokens * (per_token + 8) + 256
 
 
 @dataclass(frozen=True)
