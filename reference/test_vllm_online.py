@@ -142,8 +142,9 @@ def test_a_crashed_engine_is_one_line_a_preempted_one_saves_and_resume_continues
     """`train` starts its own engine (eager, to keep this test short); the engine is killed mid-run: the run
     stops at once with one line naming the cause and the log (exit 2). `--resume` starts a new engine; it
     and the trainer then get SIGTERM together, as a scheduler preempting the job sends it: the last whole
-    step is saved and the run exits 75. `--resume` again ends with the losses of a run that was never
-    stopped (run beside the shared engine). The spool holds about one row, so the trainer waits on vLLM."""
+    step is saved and the run exits 75. `--resume` again, joining the shared engine (two replicas: the
+    engine's layout may change on a resume), ends with the losses of a run that was never stopped (run
+    beside the shared engine). The spool holds about one row, so the trainer waits on vLLM."""
     from blockdraft.preempt import PREEMPTED
 
     tmp = data
@@ -179,7 +180,8 @@ def test_a_crashed_engine_is_one_line_a_preempted_one_saves_and_resume_continues
     record(preempted_rc=rc, preempted_said=said)
     assert rc == PREEMPTED and len(said) == 1, log.read_text()[-3000:]
     assert "error:" not in log.read_text()
-    run([*flags, "--resume"], tmp / "resumed.log")
+    # the last part joins the shared engine (two replicas): where the engine runs may change on --resume
+    run([*base, *online_flags(tmp, smollm2_engine), "--out", str(out), "--resume"], tmp / "resumed.log")
     a, b = losses(whole), losses(out)
     record(whole_losses=a, resumed_losses=b)
     assert close(b, a), (a, b)

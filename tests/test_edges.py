@@ -276,3 +276,29 @@ def test_resume_with_another_schedule_is_refused(tmp_path, capsys):
     again.train.steps = 20  # a run grown on --resume (benchmarks/gpu_check.py): said, not refused
     check_resumed_settings(again)
     assert "warning: --resume with another run length, --steps 10 (now 20)" in capsys.readouterr().err
+
+
+def test_resume_may_move_the_engine_but_not_change_what_it_computes(tmp_path):
+    """Where the engines run (their layout, cores, spool, interpreter, timeouts) may change on --resume, as
+    a preempted job comes back on other nodes; their dtype, quantization and states precision change the
+    features, and are refused."""
+    from blockdraft.train.preflight import check_resumed_settings
+    from blockdraft.train.run import RunConfig
+
+    out = tmp_path / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    first = RunConfig.from_dict({"target": {"target": "random:tiny"}, "train": {"out": str(out)},
+                                 "engine": {"engine": "vllm", "tensor_parallel_size": 8, "spool": "/a"}})
+    (out / "train_config.json").write_text(json.dumps(first.to_dict()))
+    moved = RunConfig.from_dict(first.to_dict())
+    moved.train.resume = True
+    moved.engine.tensor_parallel_size, moved.engine.data_parallel_size, moved.engine.spool = 4, 2, "/b"
+    moved.engine.share_gpus, moved.engine.engine_memory, moved.engine.engine_stall_min = True, 0.6, 3.0
+    check_resumed_settings(moved)
+    for key, value in (("engine_states", "fp8"), ("engine_dtype", "float16"), ("quantization", "fp8"),
+                       ("engine", "transformers")):
+        other = RunConfig.from_dict(first.to_dict())
+        other.train.resume = True
+        setattr(other.engine, key, value)
+        with pytest.raises(ValueError, match=f"started with --{key.replace('_', '-')} "):
+            check_resumed_settings(other)

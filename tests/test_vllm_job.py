@@ -119,3 +119,5 @@ def test_the_cause_is_an_error_vllm_logged_not_a_warnings_traceback():
             "(EngineCore) ERROR [core.py:1] RuntimeError: Worker failed with error '', please check the stack trace\n")
     assert engine.stated_cause(bare) == 'AssertionError (assert self.scoring_func == "softmax")'
     assert engine.stated_cause("ValueError: prompt too long\n") == "ValueError: prompt too long"
+    # killed from outside after a warning's traceback: nothing says why (the signal does)
+    assert engine.stated_cause(log.splitlines()[0] + "\n(EngineCore) INFO [core.py:1] ready\n") is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft.engines.vllm import launch
+from blockdraft.engines.vllm import cores, launch
 from blockdraft.engines.vllm.feed import engine_kwargs
 from blockdraft.engines.vllm.options import PIPELINE_REFUSAL, EngineOptions, check_engine_flags, trainer_memory_fraction
 
@@ -27,7 +27,7 @@ def cores_of(listing: str) -> list[int]:
 @pytest.mark.parametrize("replicas,ranks,n", [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 8), (3, 2, 16), (2, 2, 2),
                                               (1, 4, 6)])
 def test_each_engine_rank_gets_cores_of_its_own(replicas, ranks, n):
-    got = launch.cpu_binding(replicas, ranks, cores=list(range(n)))
+    got = cores.cpu_binding(replicas, ranks, cores=list(range(n)))
     per_rank = [cores_of(g) for r in got for g in r.split("|")]
     assert len(got) == replicas and all(r.count("|") == ranks - 1 for r in got)
     assert sorted(c for g in per_rank for c in g) == (list(range(n)) if n >= replicas * ranks else sorted(
@@ -37,12 +37,12 @@ def test_each_engine_rank_gets_cores_of_its_own(replicas, ranks, n):
 
 
 def test_a_users_core_lists_are_dealt_to_the_replicas_or_refused():
-    assert launch.cpu_binding(2, 1, "0|1") == ["0", "1"]
-    assert launch.cpu_binding(2, 2, "0-3|4-7|8-11|12-15") == ["0-3|4-7", "8-11|12-15"]
-    assert launch.cpu_binding(1, 1, "0-1") == ["0-1"]
-    assert launch.cpu_binding(3, 2, "auto") == ["auto"] * 3
+    assert cores.cpu_binding(2, 1, "0|1") == ["0", "1"]
+    assert cores.cpu_binding(2, 2, "0-3|4-7|8-11|12-15") == ["0-3|4-7", "8-11|12-15"]
+    assert cores.cpu_binding(1, 1, "0-1") == ["0-1"]
+    assert cores.cpu_binding(3, 2, "auto") == ["auto"] * 3
     with pytest.raises(ValueError, match="lists 1 core sets; 1 engine replica\\(s\\) of 2 rank\\(s\\) need 2"):
-        launch.cpu_binding(1, 2, "0-1")
+        cores.cpu_binding(1, 2, "0-1")
 
 
 def test_replicas_start_with_their_own_cores_and_layout(tmp_path, monkeypatch):

@@ -23,6 +23,10 @@ RESUMABLE = {
     "target": {"device", "threads", "target_device_map", "offload_folder", "target_fsdp"},
     "data": {"skip_bad_lines", "memo_features", "max_eval_rows"},
     "drafter": set(),
+    # where and how the engine runs, not what it computes (its dtype, quantization and states precision are)
+    "engine": {"tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "data_parallel_size",
+               "engine_memory", "engine_gpus", "share_gpus", "engine_eager", "engine_start_min", "engine_stall_min",
+               "engine_untested", "engine_python", "spool", "spool_gib"},
 }
 
 

@@ -162,15 +162,16 @@ RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception)(: .+|$)")  # `SomeError: messa
 
 def stated_cause(log: str) -> str | None:
     """The line of a vLLM log that says why it stopped: the first naming a dead worker's exit code, else
-    a signal (CAUSES in that order), else the first error vLLM logged at its ERROR level (a warning's
-    traceback is not why it stopped), else the first error anywhere; None when no line says. An error
+    a signal (CAUSES in that order), else the first error vLLM logged at its ERROR level, else the
+    first error anywhere but in a warning's traceback (vLLM went on after it); None when no line says. An error
     is given from its exception's name on (`AssertionError: CPU GDN attention requires BF16.`)."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for cause in CAUSES:
         found = next((ln for ln in lines if cause in ln), None)
         if found:
             return found
-    raised = [(i, ln, RAISED.search(ln)) for i, ln in enumerate(lines)]
+    # a traceback vLLM logs at WARNING level (it goes on after it) is never why it stopped
+    raised = [(i, ln, RAISED.search(ln)) for i, ln in enumerate(lines) if " WARNING " not in f" {ln} "]
     for logged in (True, False):
         found = next(((i, m.group(0)) for i, ln, m in raised if m and (" ERROR " in f" {ln} " or not logged)), None)
         if found:
