@@ -21,10 +21,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def main() -> None:
     import torch
 
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.data.eval_prompts import load_prompt_set
     from blockdraft.checkpoint import load_drafter
     from blockdraft.data import build_rows
     from blockdraft.data.regenerate import regenerate
+    from blockdraft.engines.transformers import TransformersGenerator
     from blockdraft.target import TargetModel
     from blockdraft.train.trainer import TrainConfig, evaluate
 
@@ -46,7 +47,8 @@ def main() -> None:
     for name in args.sets.split(","):
         path = Path(args.answers) / f"{name}-{args.n}-{args.max_new_tokens}.jsonl"
         prompts = list(enumerate(load_prompt_set(name, args.n)))
-        regenerate(target, prompts, path, max_new_tokens=args.max_new_tokens, batch_size=args.n, progress=False)
+        regenerate(TransformersGenerator(target), prompts, path, max_new_tokens=args.max_new_tokens, batch_size=args.n,
+                   progress=False)
         # the rows training builds, through the same path
         rows, stats, _ = build_rows(target.tokenizer, path, 1024, return_stats=True)
         convs = stats.kept

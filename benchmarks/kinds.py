@@ -43,7 +43,7 @@ def bench(drafters: dict, sets: list[str], n: int, max_new: int, threads: int, c
     the target's own."""
     import torch
 
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.data.eval_prompts import load_prompt_set
     from blockdraft.checkpoint.native import load_drafter, read_config, resolve_drafter
     from blockdraft.data.chat import encode_prompt
     from blockdraft.generate.baseline import target_greedy

@@ -74,7 +74,7 @@ def fastest(rows: list[dict], sets) -> dict:
 def main() -> None:
     import torch
 
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.data.eval_prompts import load_prompt_set
     from blockdraft.checkpoint import load_drafter
     from blockdraft.checkpoint.native import export_gguf
     from blockdraft.data.chat import encode_prompt

@@ -44,7 +44,8 @@ def generate(a) -> None:
     import torch
 
     from blockdraft.data.chat import encode_prompt
-    from blockdraft.data.regenerate import _answers_transformers, regenerate
+    from blockdraft.data.regenerate import regenerate
+    from blockdraft.engines.transformers import TransformersGenerator
     from blockdraft.target import TargetModel, stop_token_ids
 
     out = Path(a.out)
@@ -54,8 +55,8 @@ def generate(a) -> None:
     target = TargetModel.from_pretrained("smollm2")
     tok, model = target.tokenizer, target.model
     for name, convs in (("every-turn", train), ("held", held)):
-        regenerate(target, list(enumerate(convs)), out / f"{name}.jsonl", max_new_tokens=a.max_new_tokens,
-                   batch_size=a.batch, progress=True)
+        regenerate(TransformersGenerator(target), list(enumerate(convs)), out / f"{name}.jsonl",
+                   max_new_tokens=a.max_new_tokens, batch_size=a.batch, progress=True)
     if (out / "last-turn.jsonl").exists():
         return
     stop, pad = stop_token_ids(tok), tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -74,7 +75,8 @@ def generate(a) -> None:
                                           do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad,
                                           eos_token_id=stop)[:, width:].tolist()
             else:
-                rows = _answers_transformers(model, tok, ids, a.max_new_tokens, stop, {}, [])
+                rows = [r for r, _ in TransformersGenerator(target).generate(ids, max_tokens=a.max_new_tokens,
+                                                                            stop_token_ids=stop)]
             for r in rows:
                 r = r[:next((i for i, t in enumerate(r) if t in stop), len(r))]
                 got.append(tok.decode(r, skip_special_tokens=True).strip())

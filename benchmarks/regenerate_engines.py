@@ -22,18 +22,18 @@ from pathlib import Path
 
 
 def time_engine_start() -> list:
-    """Seconds each vLLM engine construction took, appended as they happen (the transformers
-    engine gets a loaded model, so its load is outside its timing)."""
+    """Seconds each vLLM engine construction took, appended as they happen (its first generation
+    starts it; the transformers engine's model is loaded before its timing starts)."""
     from blockdraft.engines.vllm import job as engines
 
-    taken, build = [], engines.Engine.__init__
+    taken, build = [], engines.Generator.__init__
 
     def timed(self, *args, **kwargs):
         t = time.perf_counter()
         build(self, *args, **kwargs)
         taken.append(time.perf_counter() - t)
 
-    engines.Engine.__init__ = timed
+    engines.Generator.__init__ = timed
     return taken
 
 
@@ -42,7 +42,7 @@ def main() -> None:
 
     from blockdraft.data.prompt_set import DEFAULT_PROMPTS, read_prompts
     from blockdraft.data.regenerate import regenerate
-    from blockdraft.target import TargetFiles, TargetModel
+    from blockdraft.engines import runner
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=64)
@@ -62,11 +62,11 @@ def main() -> None:
         # transformers first: a vLLM engine's processes outlive its call until this one exits, and
         # must not share the cores with the other engine's timing
         for engine in ("transformers", "vllm"):
-            target = TargetFiles.resolve("smollm2") if engine == "vllm" else TargetModel.from_pretrained("smollm2")
+            generator = runner(engine).generator("smollm2")
             path = Path(tmp) / f"{engine}.jsonl"
             t0 = time.perf_counter()
-            regenerate(target, prompts, path, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
-                       engine=engine, progress=False)
+            regenerate(generator, prompts, path, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+                       progress=False)
             dt = time.perf_counter() - t0
             start = started.pop() if engine == "vllm" else 0.0
             recs = [json.loads(ln) for ln in path.read_text().splitlines()]

@@ -156,7 +156,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def family(arch: str, work: Path, python: str) -> dict:
     from blockdraft.engines.vllm.consumer import _read, why_not
     from blockdraft.engines.vllm.job import EngineFailed
-    from blockdraft.serving.base import installed_tree
+    from blockdraft.engines.base import installed_tree
 
     work.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)

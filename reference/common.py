@@ -119,7 +119,7 @@ def full_vocab(d: DFlashDrafter) -> DFlashDrafter:
 
 def eval_prompts(n_per_set: int = 2) -> list[list[dict]]:
     """Chat prompts from the evaluation sets (never trained on)."""
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.data.eval_prompts import load_prompt_set
 
     return [p for name in ("mtbench", "gsm8k", "humaneval") for p in load_prompt_set(name, n_per_set)]
 

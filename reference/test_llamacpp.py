@@ -76,7 +76,7 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llamacpp")
     layer_ids = load_drafter("default").config.target_layer_ids
     target = TargetModel.from_pretrained("smollm2", layer_ids=layer_ids)
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.data.eval_prompts import load_prompt_set
 
     prompts = [encode_prompt(target.tokenizer, m)[0].tolist()
                for name in ("mtbench", "gsm8k", "humaneval") for m in load_prompt_set(name, PER_SET)]

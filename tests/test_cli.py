@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.data.eval_prompts import load_prompt_set
 from blockdraft.cli import main
 from blockdraft.data.pipeline import default_data_file
 

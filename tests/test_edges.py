@@ -189,7 +189,7 @@ def test_a_target_of_pickled_weights_only_is_refused_naming_the_conversion(tmp_p
 
 
 def test_bench_refuses_no_prompts_instead_of_slicing(capsys):
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.data.eval_prompts import load_prompt_set
     from blockdraft.bench.runner import run_bench
 
     for argv in (["--n", "-1"], ["--n", "0"], ["--sets", ""], ["--sets", ","], ["--sets", "mtbench,nope"]):

@@ -16,8 +16,8 @@ LAYERS = (
     # algorithm
     ("config",),  # the drafter's side of the contract
     ("model", "target", "checkpoint", "pairing"),  # the two models and their files
-    ("serving", "data", "engines", "generate", "bench"),  # who serves what, and what runs them (an engine's
-    # package holds both: engines.vllm.consumer is read by serving)
+    ("data", "generate", "bench"),  # the data, decoding, the benchmark runner
+    ("engines",),  # everything that runs or serves a model: who serves what, and what runs the target
     ("train", "plan"),
     ("doctor",),  # the checks (a command's library)
     ("cli", "__main__"),
@@ -91,13 +91,21 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_reader_sees_imports_inside_functions_and_relative_ones():
     graph = imports()
-    assert "blockdraft.serving" in graph["blockdraft.doctor"]  # `from . import serving` inside a function
+    assert "blockdraft.engines" in graph["blockdraft.doctor"]  # `from . import engines` inside a function
     assert "blockdraft.checkpoint.formats.base" in graph["blockdraft.engines.vllm.consumer"]  # `from ...checkpoint...`
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_module_imports_itself_back():
     assert cycles(imports()) == []
+
+
+def test_no_package_imports_a_package_that_imports_it_back():
+    """Within a layer too: two packages that import each other are one concern split in two."""
+    graph, edges = imports(), set()
+    for m, ts in graph.items():
+        edges.update((unit(m), unit(t)) for t in ts if unit(t) != unit(m))
+    assert sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b) == []
 
 
 def test_imports_go_downward_only():

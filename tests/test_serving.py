@@ -1,4 +1,4 @@
-"""Which engines can serve a target's DFlash drafter (blockdraft.serving): vLLM's list read from its
+"""Which engines can serve a target's DFlash drafter (blockdraft.engines): vLLM's list read from its
 own source (registry -> class -> bases through the modules they come from), the committed tables
 (vLLM's own SupportsEagle3 classes, those blockdraft's plugin gives the states), and doctor's two
 lines: vLLM serving a DFlash drafter for the target (SupportsEagle3 only: not GLM-4.x MoE in vLLM
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.doctor import PASS, WARN, capture_check, check_engine_features
-from blockdraft.serving import engine
+from blockdraft.engines import engine
 from blockdraft.engines.vllm.consumer import PLUGIN_CAPTURE, VLLM_CAPTURE, read_vllm_capture
 from conftest import tiny_target
 
@@ -85,7 +85,7 @@ def test_doctor_names_llamacpp_apart_from_vllm():
     assert check_capture(t, "llama.cpp").status == PASS
 
 
-# ---------------------------------------------------------------- the one interface (blockdraft.serving)
+# ---------------------------------------------------------------- the one interface (blockdraft.engines)
 def kind_configs():
     """A drafter config of each kind, with a draft vocabulary and with sliding layers, so that every
     format records every consumer it has something to say about."""
@@ -105,7 +105,7 @@ def test_every_consumer_a_format_names_is_an_engine_and_every_kind_is_placed():
     """A format's records and the engines' tables are written apart: a consumer named in a record
     needs its module, and each engine says of each kind whether it serves it."""
     from blockdraft.config import KINDS
-    from blockdraft.serving import ENGINES, differences
+    from blockdraft.engines import ENGINES, differences
 
     named = {d.consumer for cfg in kind_configs() for _, d in differences(cfg)}
     assert named and named <= set(ENGINES), named - set(ENGINES)
@@ -118,7 +118,7 @@ def test_an_engine_that_refuses_a_kind_says_so_in_the_files_it_reads():
     """SGLang and dflash do not serve DSpark: the z-lab format, which they read, has a record of
     theirs for the DSpark drafter that the same drafter as DFlash does not have; an engine that
     serves a kind has no refusal that the kind alone brings."""
-    from blockdraft.serving import ENGINES
+    from blockdraft.engines import ENGINES
 
     cfgs = list(kind_configs())
     by_backbone = {}
@@ -135,7 +135,7 @@ def test_an_engine_that_refuses_a_kind_says_so_in_the_files_it_reads():
 
 
 def test_who_serves_a_kind_from_which_files():
-    from blockdraft.serving import servers
+    from blockdraft.engines import servers
 
     assert servers("dspark", "gguf") == "llama.cpp (--spec-type draft-dspark)"
     zlab = servers("dspark", "zlab")
@@ -156,11 +156,11 @@ def test_doctor_runs_one_capture_check_per_capturing_engine(monkeypatch):
     """A new capturing engine is one entry: doctor's run picks it up, with its own check name."""
     import dataclasses
 
-    from blockdraft import doctor, serving
+    from blockdraft import doctor, engines
 
-    e = dataclasses.replace(serving.ENGINES["llama.cpp"], name="newengine", capture_check="target capture (new)",
+    e = dataclasses.replace(engines.ENGINES["llama.cpp"], name="newengine", capture_check="target capture (new)",
                             capture=lambda: (frozenset(), "its source"))
-    monkeypatch.setitem(serving.ENGINES, "newengine", e)
+    monkeypatch.setitem(engines.ENGINES, "newengine", e)
     t = tiny_target("llama")
     names = {c.name: c for c in doctor.run_doctor(t, None, sample_ids=torch.tensor([[1, 2, 3, 4]]))}
     assert names["target capture (new)"].status == WARN and "newengine cannot capture" in \

@@ -1,4 +1,4 @@
-"""Which targets SGLang can serve a DFlash drafter for (blockdraft.serving.sglang): the reader on a
+"""Which targets SGLang can serve a DFlash drafter for (blockdraft.engines.sglang): the reader on a
 small made-up SGLang tree (EntryClass -> class -> the method, its own or inherited across modules),
 the committed table against architectures checked by hand, and the fallback without SGLang."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from blockdraft.serving import base as serving_base
-from blockdraft.serving.sglang import SGLANG_CAPTURE, read_sglang_capture, sglang_capture
+from blockdraft.engines import base as serving_base
+from blockdraft.engines.sglang import SGLANG_CAPTURE, read_sglang_capture, sglang_capture
 
 HAS = "    def set_dflash_layers_to_capture(self, layer_ids):\n        self.ids = layer_ids\n"
 

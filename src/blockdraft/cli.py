@@ -8,7 +8,8 @@ import json
 import os
 import sys
 
-from .bench.prompts import check_sets
+from .data.eval_prompts import check_sets
+from .engines import RUNNERS
 from .options import Checked, check_parsed, existing
 
 DEFAULT_DATA = "default"
@@ -34,7 +35,7 @@ def cmd_regenerate(args) -> int:
     from .data import load_conversations
     from .data.prompt_set import DEFAULT_PROMPTS, read_prompts
     from .data.regenerate import regenerate
-    from .target import TargetFiles, TargetModel
+    from .engines import runner
     from .target import spread_kwargs
 
     _threads(args)
@@ -46,14 +47,10 @@ def cmd_regenerate(args) -> int:
         convs, stats = load_conversations(args.prompts, skip_bad_lines=args.skip_bad_lines, require_assistant=False)
         prompts = list(enumerate(convs))
     prompts = prompts[: args.n] if args.n else prompts
-    if args.engine == "vllm":
-        target = TargetFiles.resolve(args.target)  # vLLM loads the weights itself
-    else:
-        target = TargetModel.from_pretrained(args.target, device=args.device, **spread_kwargs(args))
-    res = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     engine=args.engine, progress=not args.no_progress, temperature=args.temperature,
-                     top_p=args.top_p, seed=args.seed,
-                     engine_options={"tensor_parallel_size": args.tensor_parallel_size, "memory": args.engine_memory})
+    generator = runner(args.engine).generator(args.target, device=args.device, spread=spread_kwargs(args),
+                                              tensor_parallel_size=args.tensor_parallel_size, memory=args.engine_memory)
+    res = regenerate(generator, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                     progress=not args.no_progress, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
     if args.bundle:
         from .data.regenerate import bundle_answers, sampling_of
@@ -82,8 +79,10 @@ def cmd_prompts(args) -> int:
     _threads(args)
     check_prompts_out(args.out)  # a user's file is never replaced, nothing is written through a link
     samples = samples_path(args.out)  # kept across a restart
-    records = build_prompt_set(args.target, args.magpie, args.builtin, engine=args.engine, seed=args.seed,
-                               oversample=args.oversample, samples_path=samples)
+    from .engines import runner
+
+    records = build_prompt_set(lambda: runner(args.engine).sampler(args.target), args.magpie, args.builtin,
+                               seed=args.seed, oversample=args.oversample, samples_path=samples)
     out = write_prompts(records, args.out)
     kinds = {}
     for r in records:
@@ -212,7 +211,7 @@ def cmd_extract(args) -> int:
 
 def cmd_convert(args) -> int:
     from .checkpoint.native import convert, read_config, resolve_drafter
-    from .serving import servers
+    from .engines import servers
 
     path, found = convert(args.src, args.dst, args.to, verifier=args.verifier, allow_mismatch=args.allow_mismatch,
                           target_gguf=args.target_gguf, overwrite=args.overwrite)
@@ -300,7 +299,7 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")
     r.add_argument("--seed", type=Checked(int), default=0, help="sampling seed (each prompt and turn draws its own)")
     r.add_argument("--batch-size", type=Checked(int, min=1), default=8, help="prompts per generate call (vLLM: 64-256)")
-    r.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+    r.add_argument("--engine", choices=RUNNERS, default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
     r.add_argument("--tensor-parallel-size", type=Checked(int, min=1), default=1, help="--engine vllm: GPUs per engine")
     r.add_argument("--engine-memory", type=Checked(float, above=0, max=1), default=None,
@@ -319,7 +318,7 @@ def _add_regenerate(sub) -> None:
     p.add_argument("--out", required=True, type=TEXT, help="prompt records, JSONL (gzip if it ends .gz) (required)")
     p.add_argument("--magpie", type=Checked(int), default=1000, help="user turns sampled from the target")
     p.add_argument("--builtin", type=Checked(int), default=0, help="prompts built from the Python stdlib and man pages")
-    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+    p.add_argument("--engine", choices=RUNNERS, default="transformers",
                    help="what samples the user turns")
     p.add_argument("--seed", type=Checked(int), default=0, help="sampling seed")
     p.add_argument("--oversample", type=Checked(float, min=1), default=1.25,

@@ -176,7 +176,7 @@ def check_family(target) -> Check:
 def check_engines(drafter) -> Check:
     """What each consumer of each export computes (checkpoint.formats): a serving engine that would
     compute another function is a WARN naming it; everything else is listed."""
-    from .serving import differences
+    from .engines import differences
 
     found = differences(drafter.config)
     refused = [f"{name} -> {d}" for name, d in found if d.refuse]
@@ -215,17 +215,17 @@ def check_kind(drafter) -> Check:
                 problems.append("the convolutions let a later block row reach an earlier one")
     if problems:
         return Check("drafter kind", FAIL, f"{kind}: " + "; ".join(problems), "retrain with blockdraft train --kind")
-    from . import serving
+    from . import engines
 
-    note = "; ".join(filter(None, (e.installed_kind_refusal(kind) for e in serving.ENGINES.values())))
-    msg = f"{kind}: the kind's terms hold on this checkpoint; served by {serving.servers(kind)}"
+    note = "; ".join(filter(None, (e.installed_kind_refusal(kind) for e in engines.ENGINES.values())))
+    msg = f"{kind}: the kind's terms hold on this checkpoint; served by {engines.servers(kind)}"
     return Check("drafter kind", WARN if note else PASS, msg + (f"; {note}" if note else ""),
                  "serve it with llama.cpp, or vLLM's V2 runner on a GPU" if note else "")
 
 
 def capture_check(target, engine) -> Check:
-    """Whether `engine` (blockdraft.serving) can hand a DFlash drafter this target's hidden states."""
-    from .serving.base import architectures
+    """Whether `engine` (blockdraft.engines) can hand a DFlash drafter this target's hidden states."""
+    from .engines.base import architectures
 
     archs = architectures(target)
     ok, source = engine.captures(archs)
@@ -241,7 +241,7 @@ def check_engine_features(target) -> Check:
     """Whether `train --engine vllm` and `extract --engine vllm` can capture this target's features
     (vLLM's own class, or blockdraft's vLLM plugin), from the installed vLLM's source."""
     from .engines.vllm.consumer import features_capture, not_captured, through_plugin, untested_release
-    from .serving.base import architectures, installed_tree, installed_version
+    from .engines.base import architectures, installed_tree, installed_version
 
     archs = architectures(target)
     known, source = features_capture()
@@ -268,7 +268,7 @@ def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
     """llama-server with this drafter's GGUF against target-only llama-server and blockdraft's drafter."""
     import tempfile
 
-    from .bench.prompts import load_prompt_set
+    from .data.eval_prompts import load_prompt_set
     from .checkpoint.native import export_gguf
     from .data.chat import encode_prompt
     from .engines.llamacpp.server import compare
@@ -441,7 +441,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
                vllm: bool = False, llama_cpp: bool = False, target_gguf: str | None = None,
                debug: bool = False) -> list[Check]:
     """All checks; with `drafter` None, those that need no checkpoint (on a probe drafter)."""
-    from . import serving
+    from . import engines
 
     ids = sample_input(target, data) if sample_ids is None else sample_ids
     probe = drafter is None
@@ -453,7 +453,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
         _guard("mask", check_mask, d, debug=debug),
         _guard("mask token", check_mask_token, target, d, debug=debug),
         _guard("target family", check_family, target, debug=debug),
-        *(_guard(e.capture_check, capture_check, target, e, debug=debug) for e in serving.capturing()),
+        *(_guard(e.capture_check, capture_check, target, e, debug=debug) for e in engines.capturing()),
         _guard("engine features (vLLM)", check_engine_features, target, debug=debug),
         _guard("data", check_data, target, data, debug=debug),
         _guard("greedy identity", check_greedy, target, d, ids, debug=debug),

@@ -22,7 +22,24 @@ from dataclasses import dataclass, field
 
 GIB = 2**30
 MIB = 2**20
-LOSS_CHUNK = 256  # train.loss.dflash_loss_chunked's slots per chunk on a CPU (train.loss.loss_chunk_slots)
+# Slots per chunk of train.loss.dflash_loss_chunked (train.loss.loss_chunk_slots asks `chunk_slots` on CUDA)
+LOSS_CHUNK_MIN = 256  # slots per loss chunk off CUDA, and the floor on CUDA
+LOSS_CHUNK = LOSS_CHUNK_MIN
+LOSS_CHUNK_MAX = 8192
+LOSS_MEMORY_SHARE = 32  # one chunk's transient tensors may take 1/32 of the free device memory
+# Bytes one chunk holds per slot and vocabulary entry, estimated: the [chunk, Vd] draft logits in
+# the compute dtype (2), their fp32 log-softmax (4) and its gradient (4), the [chunk, V'] gathered
+# label rows (2): ~12. An estimate for sizing only; `loss_chunk_bytes` counts each tensor.
+LOSS_BYTES_PER_ENTRY = 12
+
+
+def chunk_slots(free_bytes: int, vocab: int) -> int:
+    """Slots per loss chunk on CUDA: a 256-slot chunk is bound by kernel launches (~120 chunks for 30k
+    slots), so a chunk takes as many slots as keep its transient tensors (LOSS_BYTES_PER_ENTRY per slot
+    and vocabulary entry) near 1/32 of the free memory, within [256, 8192], rounded down to a multiple
+    of 256."""
+    slots = max(0, int(free_bytes)) // LOSS_MEMORY_SHARE // (LOSS_BYTES_PER_ENTRY * max(1, int(vocab)))
+    return max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, slots) // LOSS_CHUNK_MIN * LOSS_CHUNK_MIN)
 H200_BYTES = 139 * GIB  # the device memory a CUDA plan assumes unless told (an H200)
 
 # What a CUDA rank holds besides its tensors (assumptions, not measurements):
@@ -124,11 +141,7 @@ def loss_chunk_bytes(s: Shapes, c_target: int, chunk: int = LOSS_CHUNK) -> int:
 def plan_loss_chunk(s: Shapes, cuda: bool, free_bytes: int) -> int:
     """The chunk train.loss.loss_chunk_slots picks: 256 on a CPU; on CUDA from the memory free when
     the loss runs (`free_bytes`)."""
-    if not cuda:
-        return LOSS_CHUNK
-    from .train.loss import loss_chunk_slots
-
-    return loss_chunk_slots("cuda", s.Vd, free_bytes)
+    return chunk_slots(free_bytes, s.Vd) if cuda else LOSS_CHUNK
 
 
 def target_forward_bytes(s: Shapes, c_target: int) -> int:

@@ -43,3 +43,9 @@ def set_comm_device(device: torch.device | None) -> None:
 def joined() -> bool:
     """Whether this process joined its group itself (set_comm_device), not a group someone else made."""
     return _COMM_DEVICE is not None
+
+
+def barrier() -> None:
+    """Every rank of the group waits here for the others (nothing outside a group)."""
+    if grouped():
+        dist.barrier()

@@ -10,6 +10,8 @@ import torch
 from blockdraft.data.magpie import filter_prompts, keep, user_prefix
 from blockdraft.data.prompt_set import read_prompts, write_prompts
 from blockdraft.data.regenerate import done_hashes, prompt_hash, regenerate
+from blockdraft.engines.transformers import TransformersGenerator
+from blockdraft.engines.vllm.runner import VllmGenerator
 
 
 def tiny_pair(tok):
@@ -33,14 +35,14 @@ def test_resume_is_keyed_by_prompt_not_position(tmp_path, tok):
     target = tiny_pair(tok)
     out = tmp_path / "answers.jsonl"
     first = [("a", user("Name a colour.")), ("b", user("Name a fruit.")), ("c", user("Name a city."))]
-    res = regenerate(target, first, out, max_new_tokens=4, batch_size=2, progress=False)
+    res = regenerate(TransformersGenerator(target), first, out, max_new_tokens=4, batch_size=2, progress=False)
     assert res == {"written": 3, "skipped": 0, "total": 3}
     before = {r["hash"]: r for r in records(out)}
     second = [("c", user("Name a city.")), ("new", user("Name a river.")), ("a", user("Name a colour!")),
               ("b", user("Name a fruit."))]
     with open(out, "a") as f:  # a kill in the middle of a line
         f.write('{"id": "x", "hash": "de')
-    res = regenerate(target, second, out, max_new_tokens=4, batch_size=3, progress=False)
+    res = regenerate(TransformersGenerator(target), second, out, max_new_tokens=4, batch_size=3, progress=False)
     assert res == {"written": 2, "skipped": 2, "total": 4}
     recs = records(out)
     assert len(recs) == 5 and len({r["hash"] for r in recs}) == 5
@@ -55,7 +57,8 @@ def test_resume_is_keyed_by_prompt_not_position(tmp_path, tok):
 def test_duplicate_prompts_are_answered_once(tmp_path, tok):
     target = tiny_pair(tok)
     out = tmp_path / "a.jsonl"
-    res = regenerate(target, [(1, user("Hi there.")), (2, user("Hi there."))], out, max_new_tokens=2, progress=False)
+    res = regenerate(TransformersGenerator(target), [(1, user("Hi there.")), (2, user("Hi there."))], out,
+                     max_new_tokens=2, progress=False)
     assert res["written"] == 1 and len(records(out)) == 1
 
 
@@ -74,7 +77,7 @@ def test_vllm_missing_is_a_clear_error(tmp_path, tok, monkeypatch):
 
     files = TargetFiles(tmp_path, "tiny", tok)
     with pytest.raises(ValueError, match=r"\[vllm\]"):
-        regenerate(files, [(1, user("Hi."))], tmp_path / "o.jsonl", engine="vllm", progress=False)
+        regenerate(VllmGenerator(files), [(1, user("Hi."))], tmp_path / "o.jsonl", progress=False)
 
 
 def test_magpie_prefix_is_the_templates_user_header(tok):
@@ -138,22 +141,21 @@ def test_magpie_samples_are_kept_as_they_come_and_a_restart_samples_only_the_res
 
     calls = []
 
-    def fake(engine, target_name):
+    def fake():
         def generate(prefix, n, max_tokens, temperature, top_p, seed):
             calls.append((n, seed))
             for i in range(n):
                 yield tok(f"Question {seed + i}?", add_special_tokens=False)["input_ids"], True
         return generate, tok
 
-    monkeypatch.setattr(ps, "magpie_generator", fake)
     path = tmp_path / "p.samples.jsonl"
-    first = ps.magpie_samples("t", 3, "transformers", 0, path, progress=False)
+    first = ps.magpie_samples(fake, 3, 0, path, progress=False)
     with open(path, "a") as f:
         f.write('{"text": "torn')  # a kill in the middle of a line
-    again = ps.magpie_samples("t", 5, "transformers", 0, path, progress=False)
+    again = ps.magpie_samples(fake, 5, 0, path, progress=False)
     assert calls == [(3, 0), (2, 3)]  # only what was missing, with the next seeds
     assert again[:3] == first and again == [f"Question {i}?" for i in range(5)]
-    assert ps.magpie_samples("t", 5, "transformers", 0, path, progress=False) == again and len(calls) == 2
+    assert ps.magpie_samples(fake, 5, 0, path, progress=False) == again and len(calls) == 2
 
 
 def test_a_prompt_set_keeps_builtin_prompts_with_surrounding_whitespace(monkeypatch):
@@ -166,7 +168,7 @@ def test_a_prompt_set_keeps_builtin_prompts_with_surrounding_whitespace(monkeypa
         {"id": 0, "kind": "prose", "messages": user("Explain this passage:\n\nSome text about sockets.\n\n")},
         {"id": 1, "kind": "man", "messages": user("  How do I use `ls`?")}])
     monkeypatch.setattr(magpie, "evaluation_texts", lambda: [])
-    recs = build_prompt_set("unused", 0, 2)
+    recs = build_prompt_set(None, 0, 2)
     assert [r["kind"] for r in recs] == ["prose", "man"]
 
 
@@ -182,8 +184,9 @@ def test_a_bundle_holds_the_answers_to_the_prompt_set_only_in_one_order(tmp_path
     target = tiny_pair(tok)
     prompts = [("a", user("Name a colour.")), ("b", user("Name a fruit.")), ("c", user("Name a city."))]
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    regenerate(target, prompts + [("old", user("Name a tree."))], one, max_new_tokens=3, progress=False)
-    regenerate(target, prompts[::-1], two, max_new_tokens=3, batch_size=1, progress=False)
+    regenerate(TransformersGenerator(target), prompts + [("old", user("Name a tree."))], one, max_new_tokens=3,
+               progress=False)
+    regenerate(TransformersGenerator(target), prompts[::-1], two, max_new_tokens=3, batch_size=1, progress=False)
     assert bundle_answers(one, tmp_path / "one.jsonl.gz", prompts) == 3
     bundle_answers(two, tmp_path / "two.jsonl.gz", prompts)
     assert (tmp_path / "one.jsonl.gz").read_bytes() == (tmp_path / "two.jsonl.gz").read_bytes()
@@ -210,10 +213,10 @@ def test_a_full_disk_is_found_before_the_first_answer(tmp_path, tok, monkeypatch
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
     monkeypatch.setattr(target.model, "generate", lambda *a, **k: pytest.fail("the target ran"))
     with pytest.raises(ValueError, match="not enough disk space for the answers to 4 prompts"):
-        regenerate(target, prompts, tmp_path / "a.jsonl", max_new_tokens=6, progress=False)
+        regenerate(TransformersGenerator(target), prompts, tmp_path / "a.jsonl", max_new_tokens=6, progress=False)
     assert not (tmp_path / "a.jsonl").exists() or (tmp_path / "a.jsonl").stat().st_size == 0
     monkeypatch.undo()
-    regenerate(target, prompts, tmp_path / "b.jsonl", max_new_tokens=6, progress=False)
+    regenerate(TransformersGenerator(target), prompts, tmp_path / "b.jsonl", max_new_tokens=6, progress=False)
     assert (tmp_path / "b.jsonl").stat().st_size <= need
 
 
@@ -262,7 +265,7 @@ def test_every_assistant_turn_is_the_targets_own_greedy_continuation(tmp_path, t
                         {"role": "assistant", "content": "y"}, {"role": "user", "content": "More."},
                         {"role": "assistant", "content": "z"}])]
     out = tmp_path / "a.jsonl"
-    regenerate(target, convs, out, max_new_tokens=6, batch_size=2, progress=False)
+    regenerate(TransformersGenerator(target), convs, out, max_new_tokens=6, batch_size=2, progress=False)
     recs = {r["id"]: r for r in records(out)}
     for pid, conv in convs:
         got = [m["content"] for m in recs[pid]["messages"] if m["role"] == "assistant"]
@@ -278,14 +281,14 @@ def test_sampled_answers_are_reproducible_from_the_seed_whatever_the_batching(tm
                     {"role": "user", "content": "Go on."}]) for k, w in enumerate(["rain", "snow", "wind"])]
 
     def run(name, seed, batch):
-        regenerate(target, prompts, tmp_path / name, max_new_tokens=8, batch_size=batch, progress=False,
-                   temperature=1.0, top_p=0.9, seed=seed)
+        regenerate(TransformersGenerator(target), prompts, tmp_path / name, max_new_tokens=8, batch_size=batch,
+                   progress=False, temperature=1.0, top_p=0.9, seed=seed)
         return {r["id"]: r["messages"] for r in records(tmp_path / name)}
 
     a, b, c = run("a.jsonl", 1, 3), run("b.jsonl", 1, 1), run("c.jsonl", 2, 3)
     assert a == b and a != c
     greedy = tmp_path / "g.jsonl"
-    regenerate(target, prompts, greedy, max_new_tokens=8, progress=False)
+    regenerate(TransformersGenerator(target), prompts, greedy, max_new_tokens=8, progress=False)
     assert {r["hash"] for r in records(greedy)}.isdisjoint(r["hash"] for r in records(tmp_path / "a.jsonl"))
 
 
@@ -311,7 +314,7 @@ def test_a_file_regenerate_did_not_write_is_refused_untouched(tmp_path, tok, tex
     out = tmp_path / "notes.jsonl"
     out.write_text(text)
     with pytest.raises(ValueError, match="not an answers file"):
-        regenerate(target, [(0, user("Hi."))], out, max_new_tokens=2, progress=False)
+        regenerate(TransformersGenerator(target), [(0, user("Hi."))], out, max_new_tokens=2, progress=False)
     assert out.read_text() == text
 
 
@@ -320,7 +323,7 @@ def test_bundle_replaces_only_a_bundle(tmp_path, tok):
 
     target = tiny_pair(tok)
     prompts = [(0, user("Hi."))]
-    regenerate(target, prompts, tmp_path / "a.jsonl", max_new_tokens=2, progress=False)
+    regenerate(TransformersGenerator(target), prompts, tmp_path / "a.jsonl", max_new_tokens=2, progress=False)
     other = tmp_path / "other.jsonl"
     other.write_text("precious\n")
     with pytest.raises(ValueError, match="not an answer record"):
@@ -335,7 +338,8 @@ def test_sampled_answers_bundle_with_their_settings(tmp_path, tok):
 
     target = tiny_pair(tok)
     prompts = [(0, user("Hi.")), (1, user("Bye."))]
-    regenerate(target, prompts, tmp_path / "a.jsonl", max_new_tokens=3, progress=False, temperature=0.8, seed=4)
+    regenerate(TransformersGenerator(target), prompts, tmp_path / "a.jsonl", max_new_tokens=3, progress=False,
+               temperature=0.8, seed=4)
     with pytest.raises(ValueError, match="no answer yet"):  # greedy answers were never written
         bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts)
     assert bundle_answers(tmp_path / "a.jsonl", tmp_path / "b.jsonl", prompts, sampling_of(0.8, 1.0, 4)) == 2
@@ -343,7 +347,10 @@ def test_sampled_answers_bundle_with_their_settings(tmp_path, tok):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is a CPU's")
 def test_sampling_through_vllm_on_a_cpu_is_refused_before_any_work(tmp_path, tok):
+    from blockdraft.target import TargetFiles
+
     out = tmp_path / "a.jsonl"
     with pytest.raises(ValueError, match="only on a GPU"):
-        regenerate(tiny_pair(tok), [(0, user("Hi."))], out, engine="vllm", temperature=0.7, progress=False)
+        regenerate(VllmGenerator(TargetFiles(tmp_path, "tiny", tok)), [(0, user("Hi."))], out, temperature=0.7,
+                   progress=False)
     assert not out.exists()

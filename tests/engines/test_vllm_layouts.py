@@ -117,7 +117,7 @@ def test_train_refuses_engine_flags_without_the_engine(tmp_path, capsys, chat_da
 
 
 def test_shared_gpus_put_the_ranks_on_the_engines_gpus(monkeypatch):
-    from blockdraft.train.online import node_split
+    from blockdraft.engines.vllm.online import node_split
 
     opts = EngineOptions(engine="vllm", tensor_parallel_size=4, data_parallel_size=2, engine_memory=0.6)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

@@ -74,7 +74,7 @@ def test_an_engine_start_on_another_release_is_refused_in_one_line(tmp_path, mon
 
 def test_doctor_says_when_the_installed_release_is_untested(monkeypatch):
     from blockdraft import doctor
-    from blockdraft.serving import base
+    from blockdraft.engines import base
 
     t = tiny_target("llama")
     monkeypatch.setattr(consumer, "_installed", lambda: None)

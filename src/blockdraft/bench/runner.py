@@ -18,7 +18,7 @@ from ..generate.baseline import target_greedy
 from ..generate.speculative import speculative_generate
 from ..target import stop_token_ids
 from ..data.chat import encode_prompt as encode
-from .prompts import check_sets, load_prompt_set
+from ..data.eval_prompts import check_sets, load_prompt_set
 
 
 @torch.no_grad()

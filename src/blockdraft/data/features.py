@@ -353,3 +353,9 @@ class CacheView:
 
     def __call__(self, i: torch.Tensor) -> StoredOutputs:
         return self.cache(self.idx[i])
+
+
+def throughput(tokens: int, seconds: float, what: str, start_s: float | None = None) -> None:
+    """The line `benchmarks/extract_engines.py` reads: tokens of packed rows written per second."""
+    start = "" if start_s is None else f"; engine start {start_s:.0f} s not counted"
+    print(f"extract: {tokens:,} tokens ({what}) in {seconds:.1f} s: {tokens / max(seconds, 1e-9):,.0f} tokens/s{start}")

@@ -79,7 +79,7 @@ def filter_prompts(texts: list[str], exclude: list[str], n: int | None = None, c
 
 def evaluation_texts() -> list[str]:
     """Every prompt of the evaluation sets (the packages named in the README's install)."""
-    from ..bench.prompts import SETS, load_prompt_set
+    from .eval_prompts import SETS, load_prompt_set
 
     return [m["content"] for name in SETS for p in load_prompt_set(name) for m in p]
 

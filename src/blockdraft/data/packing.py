@@ -101,7 +101,8 @@ def padding(rows: dict) -> torch.Tensor:
     row's last loss token (a full row has none)."""
     mask, doc = rows["loss_mask"].bool(), rows["document_ids"]
     L = mask.shape[1]
-    last = torch.where(mask.any(1), L - 1 - mask.flip(1).int().argmax(1), torch.full_like(mask[:, 0], -1, dtype=torch.long))
+    none = torch.full_like(mask[:, 0], -1, dtype=torch.long)
+    last = torch.where(mask.any(1), L - 1 - mask.flip(1).int().argmax(1), none)  # each row's last loss token
     last_doc = doc.gather(1, last.clamp(min=0)[:, None])
     return (doc > last_doc) & (last[:, None] >= 0)
 

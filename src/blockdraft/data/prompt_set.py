@@ -92,53 +92,11 @@ def write_prompts(records: list[dict], out: str | os.PathLike) -> Path:
     return out
 
 
-def magpie_generator(engine: str, target_name: str, batch: int = 1024):
-    """The sampling function `magpie.sample_user_turns` takes, on vLLM or transformers."""
-    from ..target import stop_token_ids
-
-    if engine == "vllm":
-        from ..engines.vllm.job import Engine
-        from ..target import TargetFiles
-
-        files = TargetFiles.resolve(target_name)
-        engines: dict = {}
-        stop = stop_token_ids(files.tokenizer)
-
-        def generate(prefix, n, max_tokens, temperature, top_p, seed):
-            # vLLM's CPU sampler takes no per-request seed: the engine's seed and the batches fix the draw.
-            # Large calls keep its continuous batching full (a short sample's slot is refilled at once).
-            vllm = engines.setdefault(seed, Engine(files.local_dir, seed=seed))
-            for s in range(0, n, batch):
-                outs = vllm.generate([prefix] * min(batch, n - s), max_tokens=max_tokens, temperature=temperature,
-                                     top_p=top_p, stop_token_ids=stop)
-                yield from ((ids, reason == "stop") for ids, reason in outs)
-
-        return generate, files.tokenizer
-    import torch
-
-    from ..target import TargetModel
-
-    target = TargetModel.from_pretrained(target_name)
-    stop = stop_token_ids(target.tokenizer)
-
-    def generate(prefix, n, max_tokens, temperature, top_p, seed):
-        torch.manual_seed(seed)
-        ids = torch.tensor([prefix])
-        for s in range(0, n, 32):
-            k = min(32, n - s)
-            out = target.model.generate(ids, do_sample=True, temperature=temperature, top_p=top_p, max_new_tokens=
-                                        max_tokens, num_return_sequences=k, eos_token_id=stop, pad_token_id=stop[0])
-            for row in out[:, len(prefix):].tolist():
-                cut = next((i for i, t in enumerate(row) if t in stop), None)
-                yield (row if cut is None else row[:cut]), cut is not None
-
-    return generate, target.tokenizer
-
-
-def magpie_samples(target_name: str, n: int, engine: str, seed: int, samples_path: Path | None,
-                   progress: bool = True) -> list[str]:
+def magpie_samples(sampler, n: int, seed: int, samples_path: Path | None, progress: bool = True) -> list[str]:
     """`n` raw Magpie samples; with `samples_path`, each finished sample is appended there as it comes
-    and a restart samples only what is missing (with the next seed, so nothing repeats)."""
+    and a restart samples only what is missing (with the next seed, so nothing repeats). `sampler`: a
+    call returning (Magpie's sampling function, the tokenizer), made once a sample is needed
+    (`engines.runner(name).sampler`)."""
     from .magpie import sample_user_turns
 
     have: list[str] = []
@@ -151,7 +109,7 @@ def magpie_samples(target_name: str, n: int, engine: str, seed: int, samples_pat
         have = [json.loads(ln)["text"] for ln in raw[:cut].decode("utf-8").splitlines() if ln.strip()]
     if len(have) >= n:
         return have[:n]
-    generate, tok = magpie_generator(engine, target_name)
+    generate, tok = sampler()
     if samples_path is not None:  # each sample a line of at most MAX_TOKENS tokens, before the first is drawn
         from ..atomic import check_free_space
         from .magpie import MAX_TOKENS
@@ -169,8 +127,8 @@ def magpie_samples(target_name: str, n: int, engine: str, seed: int, samples_pat
     return have + more
 
 
-def build_prompt_set(target_name: str, n_magpie: int, n_builtin: int, *, engine: str = "transformers",
-                     seed: int = 0, oversample: float = 1.25, samples_path: Path | None = None) -> list[dict]:
+def build_prompt_set(sampler, n_magpie: int, n_builtin: int, *, seed: int = 0, oversample: float = 1.25,
+                     samples_path: Path | None = None) -> list[dict]:
     """Magpie prompts sampled from the target (drawing `oversample` x as many, as filtering drops
     some) and built-in ones, filtered against the evaluation sets and deduplicated together."""
     from .default_prompts import build_prompts
@@ -179,7 +137,7 @@ def build_prompt_set(target_name: str, n_magpie: int, n_builtin: int, *, engine:
     exclude = evaluation_texts()
     records = []
     if n_magpie:
-        raw = magpie_samples(target_name, int(n_magpie * oversample), engine, seed, samples_path)
+        raw = magpie_samples(sampler, int(n_magpie * oversample), seed, samples_path)
         kept = filter_prompts(raw, exclude, n_magpie)
         records += [{"id": f"magpie-{i:06d}", "kind": "magpie", "messages": [{"role": "user", "content": t}]}
                     for i, t in enumerate(kept)]

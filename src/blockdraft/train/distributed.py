@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..process_group import backend_device, comm_device, grouped, joined, set_comm_device
+from ..process_group import backend_device, barrier, comm_device, grouped, joined, set_comm_device  # noqa: F401
 
 # how long a collective may wait for a rank doing work alone (rank 0 writing a checkpoint or the
 # final drafter, a slow first compile) before the watchdog calls the run dead
@@ -241,11 +241,6 @@ def clip_grad_norm(params, max_norm: float) -> float:
         norm = full()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
-
-
-def barrier() -> None:
-    if grouped():
-        dist.barrier()
 
 
 # ------------------------------------------------------------------ FSDP2

@@ -16,6 +16,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+# the chunk's sizing is the memory plan's (train.loss runs it, blockdraft.plan counts it)
+from ..plan import LOSS_BYTES_PER_ENTRY, LOSS_CHUNK_MAX, LOSS_CHUNK_MIN, LOSS_MEMORY_SHARE, chunk_slots  # noqa: F401
+
 LOSSES = ("soft", "hard", "kl")
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -244,15 +247,6 @@ def dflash_loss(draft_logits: torch.Tensor, target_logits, supervised: torch.Ten
     return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)
 
 
-LOSS_CHUNK_MIN = 256  # slots per loss chunk off CUDA, and the floor on CUDA
-LOSS_CHUNK_MAX = 8192
-LOSS_MEMORY_SHARE = 32  # one chunk's transient tensors may take 1/32 of the free device memory
-# Bytes one chunk holds per slot and vocabulary entry, estimated: the [chunk, Vd] draft logits in
-# the compute dtype (2), their fp32 log-softmax (4) and its gradient (4), the [chunk, V'] gathered
-# label rows (2): ~12. An estimate for sizing only; blockdraft.plan.loss_chunk_bytes counts each tensor.
-LOSS_BYTES_PER_ENTRY = 12
-
-
 def cuda_free_bytes(device) -> int:
     """What a new tensor on this CUDA device can take: the driver's free memory plus the blocks torch's
     caching allocator holds unused (after the first step the allocator keeps the step's peak reserved,
@@ -271,10 +265,7 @@ def loss_chunk_slots(device, vocab: int, free_bytes: int | None = None) -> int:
     of 256."""
     if torch.device(device).type != "cuda":
         return LOSS_CHUNK_MIN
-    if free_bytes is None:
-        free_bytes = cuda_free_bytes(device)
-    slots = max(0, int(free_bytes)) // LOSS_MEMORY_SHARE // (LOSS_BYTES_PER_ENTRY * max(1, int(vocab)))
-    return max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, slots) // LOSS_CHUNK_MIN * LOSS_CHUNK_MIN)
+    return chunk_slots(cuda_free_bytes(device) if free_bytes is None else free_bytes, vocab)
 
 
 def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,

@@ -69,9 +69,11 @@ def check_applied(cfg) -> None:
     """A setting that the rest of the run makes moot is refused, not printed over and ignored: the
     target's layers are neither loaded nor run when a feature cache feeds the run, so they have
     nothing to shard and no outputs to keep; a sharded target runs every step, so nothing is kept."""
+    from ..engines import runner
     from ..engines.vllm.options import check_engine_flags
 
     check_engine_flags(cfg.engine, "train")
+    elsewhere = not runner(cfg.engine.engine).in_process
     memo_on = cfg.data.memo_features == "on"
     if cfg.train.save_best and not (cfg.data.eval_fraction > 0 or cfg.data.eval_data or cfg.data.eval_features_cache):
         raise ValueError("--save-best keeps the drafter of the best held-out tau, and this run holds no rows out "
@@ -79,8 +81,8 @@ def check_applied(cfg) -> None:
     if cfg.data.features_cache and cfg.target.target_fsdp:
         raise ValueError("--target-fsdp shards the target's layers, and with --features-cache they never load (the "
                          "cache holds their outputs): drop --target-fsdp")
-    if memo_on and (cfg.data.features_cache or cfg.engine.engine == "vllm"):
-        where = "--features-cache" if cfg.data.features_cache else "--engine vllm"
+    if memo_on and (cfg.data.features_cache or elsewhere):
+        where = "--features-cache" if cfg.data.features_cache else f"--engine {cfg.engine.engine}"
         raise ValueError(f"--memo-features on keeps the target's outputs, and with {where} the target does not run "
                          "here: drop --memo-features")
     if memo_on and cfg.target.target_fsdp:

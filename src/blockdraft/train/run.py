@@ -138,8 +138,10 @@ def cached_rows(opts: DataOptions, target, seed: int):
 def load_target(cfg: RunConfig, device: str):
     from ..target import TargetModel
 
+    from ..engines import runner
+
     t = cfg.target
-    if cfg.engine.engine == "vllm":  # vLLM runs it: its embedding, head and final norm are enough here
+    if not runner(cfg.engine.engine).in_process:  # an engine runs it: its embedding, head and final norm suffice
         return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
                                      final_norm=True)
     if cfg.data.features_cache:  # the target never runs: only its embedding and head are loaded (preflight:
@@ -153,8 +155,10 @@ def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
     """Train rows, held-out rows and the stored target outputs the trainer reads (a cache, a memo)."""
     from ..data.features import FeatureMemo, memo_bytes
 
+    from ..engines import runner
+
     d, seed = cfg.data, cfg.train.seed
-    if cfg.engine.engine == "vllm":  # the features come from the engines (train.online): rows only here
+    if not runner(cfg.engine.engine).in_process:  # the features come from the engine: rows only here
         train_rows, eval_rows = conversation_rows(target.tokenizer, d, seed)
         return (*bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows), {})
     if d.features_cache:
@@ -188,10 +192,9 @@ def run_training(cfg: RunConfig) -> dict:
     from ..data.chat import use_template
 
     use_template(cfg.target.chat_template, cfg.target.thinking)  # recorded with the run: --resume renders alike
-    if cfg.engine.engine == "vllm":
-        from .online import check_online
+    from ..engines import runner
 
-        check_online(cfg)
+    runner(cfg.engine.engine).check_train(cfg)
     check_resume(tc.out, tc.resume)
     preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
     if tc.resume:
@@ -212,38 +215,31 @@ def recorded(cfg: RunConfig) -> dict:
 
 
 def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
+    from ..engines import runner
     from .distributed import init_from_env
 
     torch.manual_seed(tc.seed)  # the same initial drafter on every rank
-    online = cfg.engine.engine == "vllm"
-    first_gpu = 0
-    if online:  # a node's first GPUs run the engine replicas, the rest the training ranks
-        from .online import node_split
-
-        first_gpu = node_split(cfg.engine)
-    rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min, gpu_offset=first_gpu)
-    if online and device.startswith("cuda"):
-        from ..engines.vllm.options import trainer_memory_fraction
-
-        share = trainer_memory_fraction(cfg.engine)
-        if share is not None:  # beside the engine on its GPU (--share-gpus): the rank keeps to what vLLM leaves
-            torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
+    engine = runner(cfg.engine.engine)
+    # an engine on this node's first GPUs: the ranks take the next ones (or share them: --share-gpus)
+    rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min,
+                                             gpu_offset=engine.trainer_gpu_offset(cfg.engine))
+    share = engine.trainer_memory_fraction(cfg.engine)
+    if share is not None and device.startswith("cuda"):  # beside the engine on its GPU: keep to what it leaves
+        torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
     target = load_target(cfg, device)
     train_rows, eval_rows, feats = training_data(cfg, target)
-    if online:
-        from .online import start_online
-
-        streams = start_online(cfg, target, train_rows, eval_rows, rank, world_size)
-        feats = {"train_features": streams.train_features, "eval_features": streams.eval_features}
-        ok = False
-        try:
-            summary = _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device,
-                           record={"engine": streams.served})
-            ok = True
-            return summary
-        finally:
-            streams.close(ok)
-    return _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device)
+    streams = engine.features(cfg, target, train_rows, eval_rows, rank, world_size)
+    if streams is None:
+        return _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device)
+    feats = {"train_features": streams.train_features, "eval_features": streams.eval_features}
+    ok = False
+    try:
+        summary = _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device,
+                       record={"engine": streams.served})
+        ok = True
+        return summary
+    finally:
+        streams.close(ok)
 
 
 def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, rank: int, world_size: int,

@@ -1,4 +1,4 @@
-"""llama.cpp as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving): llama-server
+"""llama.cpp as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): llama-server
 reads the one-file GGUF `blockdraft convert --to gguf` writes (the `dflash` architecture of
 `src/models/dflash.cpp`) and serves DFlash (`--spec-type draft-dflash`), DSpark (`draft-dspark`) and
 DFlash2 (`draft-dflash`, told apart by its selector tensors).
@@ -11,7 +11,7 @@ Running it (and comparing with blockdraft's drafter) is blockdraft.engines.llama
 from __future__ import annotations
 
 from ...checkpoint.formats import GGUF
-from ...serving.base import Engine
+from ..base import Engine
 
 LLAMACPP_READ = "b11434"
 LLAMACPP_CAPTURE = frozenset((

@@ -57,7 +57,7 @@ def check_can_capture(target, untested: bool = False) -> None:
     """A one-line error where neither the installed vLLM's class for the target nor blockdraft's plugin
     gives its layer states, or where that capture was not measured equal (`untested`: --engine-untested,
     tried anyway)."""
-    from ...serving.base import architectures
+    from ..base import architectures
     from .consumer import features_capture, not_captured
 
     archs = architectures(target)

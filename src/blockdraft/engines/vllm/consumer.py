@@ -1,4 +1,4 @@
-"""vLLM as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving).
+"""vLLM as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines).
 
 It reads the z-lab and speculators layouts. Its DFlash proposer (and its `extract_hidden_states`
 method) needs a target class implementing `SupportsEagle3`. In the engines blockdraft starts to capture
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ...checkpoint.formats.base import KIND_V1_REFUSAL
-from ...serving.base import Engine, installed_tree, installed_version
+from ..base import Engine, installed_tree, installed_version
 from .plugin import registry
 
 VLLM_READ = "0.32.0"

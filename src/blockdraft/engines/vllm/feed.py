@@ -71,7 +71,8 @@ def wait_written(path: str) -> None:
 
 def layout(parallel) -> dict:
     """A replica's layout as vLLM's parallel config holds it."""
-    return {"tensor_parallel": int(parallel.tensor_parallel_size), "pipeline_parallel": int(parallel.pipeline_parallel_size),
+    return {"tensor_parallel": int(parallel.tensor_parallel_size),
+            "pipeline_parallel": int(parallel.pipeline_parallel_size),
             "expert_parallel": bool(parallel.enable_expert_parallel)}
 
 

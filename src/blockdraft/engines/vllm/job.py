@@ -94,7 +94,7 @@ def logged_start(log_path: str | os.PathLike):
             restore()
 
 
-class Engine:
+class Generator:
     """One vLLM engine for a target directory, generating from token-id prompts."""
 
     def __init__(self, target_dir: str, *, memory: float | None = None, max_model_len: int = 2048, seed: int = 0,

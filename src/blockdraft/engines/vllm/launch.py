@@ -334,7 +334,8 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
     job = {**want, "max_model_len": max_model_len, "budget": budget, "quantization": opts.quantization,
            "tensor_parallel_size": opts.tensor_parallel_size, "pipeline_parallel_size": opts.pipeline_parallel_size,
            "expert_parallel": opts.expert_parallel, "enforce_eager": opts.engine_eager,
-           "engine_untested": opts.engine_untested, **memory_kwargs(opts, want["target"], max_model_len, len(want["aux_ids"]), itemsize, on_gpu)}
+           "engine_untested": opts.engine_untested,
+           **memory_kwargs(opts, want["target"], max_model_len, len(want["aux_ids"]), itemsize, on_gpu)}
     engines = start_engines(spool, job, replicas=opts.data_parallel_size,
                             gpus_per_replica=gpus_per_replica(opts) if on_gpu else 0, python=opts.engine_python,
                             plugin={"architectures": architectures})

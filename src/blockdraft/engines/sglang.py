@@ -1,4 +1,4 @@
-"""SGLang as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving): it reads the
+"""SGLang as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): it reads the
 z-lab layout and serves DFlash drafters only (0.5.23), for the HF architectures below.
 
 SGLang's DFlash worker asks the target model for its drafter's context once, before CUDA graphs
@@ -12,7 +12,7 @@ the class the registry maps the checkpoint's `architectures[0]` onto: every modu
 `sglang_capture()` reads that from an installed SGLang's own source (no import of SGLang): the
 registry's classes, and whether each defines the method or inherits it through its bases, across
 the modules they are imported from. Without SGLang it falls back on `SGLANG_CAPTURE`, read that
-way from sglang SGLANG_READ (SGLANG_PROVENANCE; `python -m blockdraft.serving.sglang PATH/TO/sglang` prints it again).
+way from sglang SGLANG_READ (SGLANG_PROVENANCE; `python -m blockdraft.engines.sglang PATH/TO/sglang` prints it again).
 
 What SGLang 0.5.23's DFlash draft model (srt/models/dflash.py, srt/speculative/dflash_utils.py) takes
 from a drafter's config: `layer_types` with "sliding_attention" layers and `sliding_window` (the HF

@@ -1,4 +1,4 @@
-"""The one interface every consumer module of `blockdraft.serving` fills in: an `Engine`.
+"""The one interface every consumer module of `blockdraft.engines` fills in: an `Engine`.
 
 An engine is a program that loads blockdraft's exported files and runs the drafter (vLLM, SGLang,
 llama.cpp) or a library that does (z-lab's dflash, speculators). Each says, from its own source as

