@@ -65,10 +65,10 @@ def config_of(shape: dict):
 
 def run_config(flags: str):
     """The RunConfig `blockdraft train FLAGS` would run."""
-    from blockdraft.cli import _train_parser, train_config
+    from blockdraft.cli import train_parser, train_config
 
     argv = flags.split()
-    args = _train_parser().parse_args(argv)
+    args = train_parser().parse_args(argv)
     return train_config(args, argv)
 
 

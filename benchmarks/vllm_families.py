@@ -154,7 +154,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def family(arch: str, work: Path, python: str) -> dict:
-    from blockdraft.engines.vllm.consumer import _read, why_not
+    from blockdraft.engines.vllm.consumer import read_tables, why_not
     from blockdraft.engines.vllm.job import EngineFailed
     from blockdraft.engines.base import installed_tree
 
@@ -174,7 +174,7 @@ def family(arch: str, work: Path, python: str) -> dict:
             tree = Path(subprocess.run([python, "-c", "import vllm, os; print(os.path.dirname(vllm.__file__))"],
                                        capture_output=True, text=True).stdout.strip())
         reason = why_not(tree, name)
-        native, plugin = _read(tree)
+        native, plugin = read_tables(tree)
         row["how"] = "vLLM's class" if name in native else "blockdraft's plugin" if name in plugin else None
         if reason:
             row.update(captures=False, why=reason)

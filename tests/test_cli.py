@@ -128,3 +128,22 @@ def test_no_function_in_the_package_is_longer_than_60_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
                 long.append(f"{f.name}:{node.name} {node.end_lineno - node.lineno + 1}")
     assert not long, long
+
+
+def test_every_option_of_every_command_shows_its_default_in_help():
+    import argparse
+
+    from blockdraft.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            f = parser._get_formatter()
+            f.add_argument(action)
+            text = " ".join(f.format_help().split()).lower()
+            if "default" not in text and "required" not in text:
+                silent.append(f"{name} {action.option_strings[-1]}")
+    assert silent == [], silent

@@ -114,3 +114,14 @@ def test_imports_go_downward_only():
     assert units <= set(RANK), f"place these in LAYERS (and DESIGN.md section 3): {sorted(units - set(RANK))}"
     upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if RANK[unit(t)] > RANK[unit(m)])
     assert upward == [], upward
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore is its module's own: another module asks for a public one."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("blockdraft")):
+                found += [f"{module_name(path)}: {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == [], found

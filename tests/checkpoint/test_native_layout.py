@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from blockdraft.checkpoint import load_drafter, save_drafter
 from blockdraft.checkpoint.formats import Export, zlab
-from blockdraft.checkpoint.native import _state, convert
+from blockdraft.checkpoint.native import state_tensors, convert
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.train import Batch, compute_loss
@@ -66,7 +66,7 @@ def test_a_draft_vocabulary_is_saved_as_the_engines_load_it(tmp_path, dtype, bf1
     assert json.loads((path / "config.json").read_text())["draft_vocab_size"] == Vd
     # the z-lab format's own writer, and `convert --to zlab` of the directory: the same bytes
     rows = t.head_rows(d.draft_vocab).to(sd["fc.weight"].dtype)
-    by_format = zlab.FORMAT.write_weights(_state(d, dtype), d.config, Export(head_rows=rows))
+    by_format = zlab.FORMAT.write_weights(state_tensors(d, dtype), d.config, Export(head_rows=rows))
     assert same_bytes(sd, {k: v.contiguous() for k, v in by_format.items()})
     convert(path, tmp_path / "zlab", "zlab", verifier=verifier)
     assert same_bytes(sd, tensors(tmp_path / "zlab"))
@@ -95,7 +95,7 @@ def test_the_saved_directory_reads_back_as_the_same_drafter(tmp_path):
     old = tmp_path / "old"
     old.mkdir()
     (old / "config.json").write_text((path / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in _state(d, None).items()}, str(old / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in state_tensors(d, None).items()}, str(old / "model.safetensors"))
     assert "draft_vocab" in tensors(old) and "d2t" not in tensors(old)
     was = load_drafter(old)
     assert torch.equal(was.draft_vocab, d.draft_vocab)
@@ -118,7 +118,7 @@ def test_a_full_vocabulary_drafter_is_saved_as_before(tmp_path):
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))
     sd = tensors(save_drafter(d, tmp_path / "d"))
     assert not {"d2t", "lm_head.weight", "draft_vocab", "t2d"} & set(sd)
-    assert same_bytes(sd, {k: v.contiguous() for k, v in _state(d, None).items()})
+    assert same_bytes(sd, {k: v.contiguous() for k, v in state_tensors(d, None).items()})
     with pytest.raises(ValueError, match="full head"):
         save_drafter(d, tmp_path / "e", head_rows=torch.zeros(0, t.hidden_size))
 

@@ -36,7 +36,7 @@ OWNED = (CONFIG, WEIGHTS)
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "assets" / "default-drafter"
 
 
-def _state(drafter: DFlashDrafter, dtype: torch.dtype | None) -> dict:
+def state_tensors(drafter: DFlashDrafter, dtype: torch.dtype | None) -> dict:
     return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
             for k, v in drafter.folded_state_dict().items() if not k.startswith("rotary_emb")}
 
@@ -76,7 +76,7 @@ def save_drafter(drafter: DFlashDrafter, directory: str | os.PathLike, *, head_r
         raise ValueError(f"head_rows is {list(head_rows.shape)}; the drafter needs the target head's rows for its "
                          f"draft vocabulary, [{cfg.draft_vocab_size}, {cfg.hidden_size}]")
     fmt, ex = formats.get(formats.NATIVE), Export(head_rows=None if head_rows is None else head_rows.detach().cpu())
-    sd = fmt.write_weights({k: v.cpu() for k, v in _state(drafter, dtype).items()}, cfg, ex)
+    sd = fmt.write_weights({k: v.cpu() for k, v in state_tensors(drafter, dtype).items()}, cfg, ex)
     return _write(directory, fmt.write_config(cfg, ex), sd, owner, extra)
 
 
@@ -210,7 +210,7 @@ def export_drafter(drafter: DFlashDrafter, dst: str | os.PathLike, to: str, *, v
         raise ValueError(f"the {to} files would be served as another function: " + "; ".join(map(str, serving))
                          + ". Retrain for the engine (e.g. --window-rule query) or pass --allow-mismatch")
     verifier = verifier or default_verifier(cfg.target_name)
-    sd = _state(drafter, None)
+    sd = state_tensors(drafter, None)
     rows = head_rows(verifier, sd["draft_vocab"]).to(sd["fc.weight"].dtype) if cfg.draft_vocab_size and verifier \
         else None
     ex = Export(verifier=verifier, head_rows=rows)
@@ -236,7 +236,7 @@ def export_gguf(drafter: DFlashDrafter, dst: str | os.PathLike, *, target_gguf: 
     if target_gguf is None:
         raise ValueError(f"the GGUF export copies the tokenizer from the target's GGUF (the file llama-server "
                          f"loads); pass --target-gguf FILE (the drafter was trained for {cfg.target_name!r})")
-    return gguf.write(_state(drafter, None), cfg, dst, target_gguf, overwrite=overwrite), found
+    return gguf.write(state_tensors(drafter, None), cfg, dst, target_gguf, overwrite=overwrite), found
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier: str | None = None,

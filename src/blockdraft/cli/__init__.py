@@ -9,8 +9,8 @@ import sys
 
 from ..options import check_parsed
 from . import commands
-from .exits import _interrupts, _preempted, _rerun_hint, exit_after_group, one_line  # noqa: F401
-from .parsers import _train_parser, build, train_config  # noqa: F401 (the package's names)
+from .exits import interrupts, preempted, rerun_hint, exit_after_group, one_line  # noqa: F401
+from .parsers import train_parser, build, train_config  # noqa: F401 (the package's names)
 from .commands import speed_settings  # noqa: F401
 
 COMMANDS = {"train": commands.cmd_train, "regenerate": commands.cmd_regenerate, "prompts": commands.cmd_prompts,
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     take seconds) is one line and exit code 130, also where a library caught the interrupt midway
     through an import and failed later on the half-imported module."""
     seen: dict = {}
-    with _interrupts() as interrupted:
+    with interrupts() as interrupted:
         try:
             return _main(argv, seen, interrupted)
         except BaseException as e:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             interrupted.append("handled")
             args = seen.get("args")
             cmd = f" {args.cmd}" if getattr(args, "cmd", None) else ""
-            print(f"blockdraft{cmd}: interrupted; {_rerun_hint(args)}", file=sys.stderr)
+            print(f"blockdraft{cmd}: interrupted; {rerun_hint(args)}", file=sys.stderr)
             return 130
 
 
@@ -89,7 +89,7 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
         leave()  # after a clean finish only: a rank that failed must not wait for the others here
         return rc
     except Preempted as e:  # a signal asked the run to stop: every rank saved the same step, and leaves
-        return _preempted(args, e)
+        return preempted(args, e)
     except (ValueError, OSError, SafetensorError, EngineFailed) as e:  # a user's mistake, the machine's, an
         # engine's: one line (an engine's names vLLM's own reason and its log), exit 2
         if args.debug:

@@ -23,7 +23,7 @@ def one_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _interrupts():
+def interrupts():
     """A list that gets an entry when SIGINT arrives, where Python's own handler is the one in place
     (a caller's own handler is left alone). The interrupt raises KeyboardInterrupt, but never inside
     a module being imported: raised there, torch's native initialisation aborts the process, numpy is
@@ -69,7 +69,7 @@ def _importing(frame) -> bool:
     return False
 
 
-def _rerun_hint(args) -> str:
+def rerun_hint(args) -> str:
     """What continues an interrupted command: --resume for a run that saved a checkpoint."""
     if getattr(args, "cmd", None) != "train" or not getattr(args, "fn", None):
         return "rerun the same command to continue" if getattr(args, "cmd", None) else "nothing was done"
@@ -86,7 +86,7 @@ def _rerun_hint(args) -> str:
     return "no checkpoint was saved yet: rerun the same command (with --overwrite where it says a run is there)"
 
 
-def _preempted(args, e) -> int:
+def preempted(args, e) -> int:
     """A run stopped by SIGTERM, SIGUSR1 or a first Ctrl-C after saving: one line (rank 0), the
     process group left together, exit code PREEMPTED."""
     from ..train.distributed import leave, world

@@ -45,7 +45,7 @@ def _target_args(p, *, features: bool = False) -> None:
     add_options(p, TargetOptions, only=None if features else RUNTIME)
 
 
-def _train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+def train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """`train`'s flags, generated from RunConfig's parts (their fields hold the defaults and help)."""
     from ..data.pipeline import DataOptions
     from ..engines.vllm.options import EngineOptions
@@ -70,7 +70,7 @@ def train_config(args, argv: list[str] | None = None):
     from ..train.run import RunConfig
 
     parts = {name: from_args(type(getattr(RunConfig(), name)), args) for name in RunConfig.PARTS}
-    given = frozenset(explicit_flags(_train_parser(), list(argv or [])))
+    given = frozenset(explicit_flags(train_parser(), list(argv or [])))
     if not getattr(args, "config", None):
         return RunConfig(**parts, given=given)
     base = RunConfig.from_json(args.config)
@@ -85,7 +85,7 @@ def train_config(args, argv: list[str] | None = None):
 
 def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a drafter (defaults: embedded SmolLM2 target, bundled data)")
-    _train_parser(t)
+    train_parser(t)
 
 
 def _add_regenerate(sub) -> None:

@@ -69,6 +69,11 @@ FIELDS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", 
 THINKING = ("on", "off")
 
 
+def template_kwargs() -> dict:
+    """The keyword arguments every rendering of this process passes its template (--thinking's)."""
+    return dict(_PROCESS["kwargs"])
+
+
 def _read_template(chat_template: str) -> str:
     from pathlib import Path
 
@@ -128,7 +133,7 @@ def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     return text
 
 
-def _try_render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str | None:
+def try_render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str | None:
     """render_text, or None where the template cannot render this prefix (e.g. no messages)."""
     if not messages and has_chat_template(tokenizer):
         return None  # apply_chat_template refuses an empty conversation
@@ -159,8 +164,8 @@ def _diff_span(tokenizer, messages: list[dict], tools, text: str, i: int, cursor
     fields replaced by MARK (None where the template does not allow it); `own` the conversation through
     turn i rendered with it last."""
     marked = list(messages[:i]) + [{"role": "assistant", "content": MARK}] + list(messages[i + 1:])
-    alt = _try_render(tokenizer, marked, False, tools)
-    last = _try_render(tokenizer, marked[:i + 1], False, tools)
+    alt = try_render(tokenizer, marked, False, tools)
+    last = try_render(tokenizer, marked[:i + 1], False, tools)
     if alt is None or last is None or alt.count(MARK) != 1 or last.count(MARK) != 1:
         return None
     k = alt.index(MARK)
@@ -196,8 +201,8 @@ def _end_marker(text: str, start: int, end: int, own: str, last: str) -> str:
 
 def _generation_prompt(tokenizer, messages: list[dict], tools) -> str:
     """What the template writes to open an assistant turn after `messages` (its header)."""
-    with_prompt = _try_render(tokenizer, messages, True, tools)
-    without = _try_render(tokenizer, messages, False, tools)
+    with_prompt = try_render(tokenizer, messages, True, tools)
+    without = try_render(tokenizer, messages, False, tools)
     if with_prompt is None or without is None or not with_prompt.startswith(without):
         return ""
     return with_prompt[len(without):]
@@ -226,7 +231,7 @@ def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[in
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = _try_render(tokenizer, messages[:i], True, tools)
+        prompt = try_render(tokenizer, messages[:i], True, tools)
         upto = render_text(tokenizer, messages[: i + 1], tools=tools)
         if prompt is not None and upto.startswith(prompt) and text.startswith(upto) and len(prompt) >= cursor:
             start, end = len(prompt), max(len(prompt), len(upto.rstrip()))

@@ -139,11 +139,11 @@ def _until_stop(row: list[int], stop: list[int]) -> list[int]:
 def reasoning_markers(tokenizer, tools=None) -> tuple[str, str] | None:
     """(opener, closer) the chat template writes around an answer's reasoning (e.g. "<think>",
     "</think>"), read from a rendering of a probe turn; None where the template writes no reasoning."""
-    from .chat import _try_render
+    from .chat import try_render
 
     user = [{"role": "user", "content": "\ue000q"}]
     turn = {"role": "assistant", "reasoning_content": "\ue000r", "content": "\ue000c"}
-    gen, full = _try_render(tokenizer, user, True, tools), _try_render(tokenizer, user + [turn], False, tools)
+    gen, full = try_render(tokenizer, user, True, tools), try_render(tokenizer, user + [turn], False, tools)
     if not gen or not full or "\ue000r" not in full or "\ue000c" not in full:
         return None
     head = full[:full.index("\ue000r")]
@@ -195,9 +195,9 @@ def sampling_of(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> 
 
 def _settings(sampling: dict) -> dict:
     """What keys an answer beside its prompt: the sampling and the template's thinking setting."""
-    from .chat import _PROCESS
+    from .chat import template_kwargs
 
-    return {**sampling, **_PROCESS["kwargs"]}
+    return {**sampling, **template_kwargs()}
 
 
 def _todo(prompts, done: set, settings: dict) -> tuple[list, int]:

