@@ -85,7 +85,7 @@ def capture(target: Path, docs: list[list[int]], aux: list[int], dtype: str, wor
     from safetensors.torch import load_file
 
     from blockdraft.engines.vllm.launch import open_engines
-    from blockdraft.engines.vllm.options import EngineOptions
+    from blockdraft.engines.vllm.engine_options import EngineOptions
     from blockdraft.engines.vllm.spool import item_key, state_bytes
 
     arch = json.loads((target / "config.json").read_text())["architectures"]

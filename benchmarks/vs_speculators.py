@@ -82,7 +82,7 @@ def caches(out: Path):
 def eval_config():
     """The evaluation settings every side is scored with: `blockdraft train`'s (256 anchors per
     held-out row, fixed seeds per batch)."""
-    from blockdraft.train.options import TrainConfig
+    from blockdraft.train.train_options import TrainConfig
 
     return TrainConfig(progress=False)
 

@@ -22,7 +22,7 @@ def smollm2_engine(tmp_path_factory):
     pytest.importorskip("vllm")
     from blockdraft.engines.vllm.capture import capture_ids
     from blockdraft.engines.vllm.launch import open_engines
-    from blockdraft.engines.vllm.options import EngineOptions
+    from blockdraft.engines.vllm.engine_options import EngineOptions
     from blockdraft.target import resolve_source
 
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the replicas' cores are blockdraft's choice

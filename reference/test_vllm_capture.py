@@ -236,7 +236,7 @@ def test_vllm_refuses_pipeline_stages_with_the_capture_method_as_blockdraft_says
     from vllm.v1.worker import gpu_model_runner
 
     from blockdraft.engines.vllm.feed import engine_kwargs
-    from blockdraft.engines.vllm.options import PIPELINE_REFUSAL
+    from blockdraft.engines.vllm.engine_options import PIPELINE_REFUSAL
 
     target = tiny_dir(tmp_path, "glm4_moe")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")

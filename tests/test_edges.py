@@ -249,7 +249,7 @@ def test_fsdp_without_torchrun_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_resume_with_another_schedule_is_refused(tmp_path, capsys):
-    from blockdraft.train.options import TrainConfig
+    from blockdraft.train.train_options import TrainConfig
     from blockdraft.train.run import RunConfig
 
     out = tmp_path / "run"

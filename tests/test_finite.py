@@ -172,7 +172,7 @@ def test_non_finite_config_floats_are_refused_at_load(tmp_path, field, value, ca
 
 
 def test_train_config_floats_must_be_finite():
-    from blockdraft.train.options import TrainConfig
+    from blockdraft.train.train_options import TrainConfig
 
     for bad in (dict(lr=math.nan), dict(warmup=math.inf), dict(grad_clip=math.nan), dict(min_lr_ratio=math.nan)):
         with pytest.raises(ValueError, match="must be a finite number"):

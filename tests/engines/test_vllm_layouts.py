@@ -12,7 +12,7 @@ import torch
 
 from blockdraft.engines.vllm import cores, launch
 from blockdraft.engines.vllm.feed import engine_kwargs
-from blockdraft.engines.vllm.options import PIPELINE_REFUSAL, EngineOptions, check_engine_flags, trainer_memory_fraction
+from blockdraft.engines.vllm.engine_options import PIPELINE_REFUSAL, EngineOptions, check_engine_flags, trainer_memory_fraction
 
 
 def cores_of(listing: str) -> list[int]:
@@ -136,7 +136,7 @@ def test_the_plan_uses_only_proven_layouts():
     never pipeline stages; a MoE engine is planned with its experts spread."""
     import transformers as tf
 
-    from blockdraft.engines.vllm.plan import GIB, engine_plan, smallest_engine, tensor_sizes
+    from blockdraft.engines.vllm.engine_plan import GIB, engine_plan, smallest_engine, tensor_sizes
 
     moe = tf.Glm4MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=12, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
@@ -160,7 +160,7 @@ def test_the_plan_uses_only_proven_layouts():
 def test_the_shared_plan_takes_the_first_trainer_option_that_fits_beside_the_most_replicas():
     import transformers as tf
 
-    from blockdraft.engines.vllm.plan import GIB, engine_plan, shared_engine, tensor_sizes
+    from blockdraft.engines.vllm.engine_plan import GIB, engine_plan, shared_engine, tensor_sizes
 
     dense = tf.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=32)
@@ -208,7 +208,7 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_is_refused_before_the_st
                             on_gpu=False, architectures=[])
     assert not (tmp_path / "spool").exists()
     (target / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 8}}))
-    from blockdraft.engines.vllm.options import check_layout
+    from blockdraft.engines.vllm.engine_options import check_layout
 
     check_layout(EngineOptions(engine="vllm", tensor_parallel_size=4), target)
 

@@ -16,11 +16,11 @@ import torch
 
 from blockdraft.data.pipeline import DataOptions
 from blockdraft.engines.vllm.feed import STAND_IN
-from blockdraft.engines.vllm.options import EngineOptions
+from blockdraft.engines.vllm.engine_options import EngineOptions
 from blockdraft.target import TargetOptions
 from blockdraft.train.build import DrafterOptions
 from blockdraft.train.extract import ExtractOptions, run_extract
-from blockdraft.train.options import TrainConfig
+from blockdraft.train.train_options import TrainConfig
 from blockdraft.train.run import RunConfig, run_training
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -165,7 +165,7 @@ def cmd_bench(args) -> int:
 
 def cmd_extract(args) -> int:
     from ..data.pipeline import DataOptions
-    from ..engines.vllm.options import EngineOptions
+    from ..engines.vllm.engine_options import EngineOptions
     from ..options import from_args
     from ..target import TargetOptions
     from ..train.extract import ExtractOptions, run_extract

@@ -48,10 +48,10 @@ def _target_args(p, *, features: bool = False) -> None:
 def train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """`train`'s flags, generated from RunConfig's parts (their fields hold the defaults and help)."""
     from ..data.pipeline import DataOptions
-    from ..engines.vllm.options import EngineOptions
+    from ..engines.vllm.engine_options import EngineOptions
     from ..options import add_options
     from ..train.build import DrafterOptions
-    from ..train.options import TrainConfig
+    from ..train.train_options import TrainConfig
 
     p = p or argparse.ArgumentParser(prog="blockdraft train", add_help=False)
     _target_args(p, features=True)
@@ -130,7 +130,7 @@ def _add_regenerate(sub) -> None:
 
 def _add_extract(sub) -> None:
     from ..data.pipeline import DataOptions
-    from ..engines.vllm.options import EngineOptions
+    from ..engines.vllm.engine_options import EngineOptions
     from ..options import add_options
     from ..train.extract import ENGINE_FLAGS, ExtractOptions
 

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import torch
 
 from .distributed import all_reduce_sum, world
-from .options import TrainConfig
+from .train_options import TrainConfig
 from .step import Batch, compute_loss
 
 

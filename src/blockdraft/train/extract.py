@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.pipeline import DataOptions, conversation_rows
-from ..engines.vllm.options import EngineOptions
+from ..engines.vllm.engine_options import EngineOptions
 from ..options import opt
 from ..target import TargetOptions, pick_device, spread_kwargs
 
@@ -56,7 +56,7 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
 
     from ..data.chat import use_template
 
-    from ..engines.vllm.options import check_engine_flags
+    from ..engines.vllm.engine_options import check_engine_flags
 
     engine = engine or EngineOptions()
     check_engine_flags(engine, "extract")

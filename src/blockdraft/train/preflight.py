@@ -70,7 +70,7 @@ def check_applied(cfg) -> None:
     target's layers are neither loaded nor run when a feature cache feeds the run, so they have
     nothing to shard and no outputs to keep; a sharded target runs every step, so nothing is kept."""
     from ..engines import runner
-    from ..engines.vllm.options import check_engine_flags
+    from ..engines.vllm.engine_options import check_engine_flags
 
     check_engine_flags(cfg.engine, "train")
     elsewhere = not runner(cfg.engine.engine).in_process

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from ..data.pipeline import DataOptions, bound_rows, check_cache_options, conversation_rows
-from ..engines.vllm.options import EngineOptions
+from ..engines.vllm.engine_options import EngineOptions
 from ..finite import dumps_finite
 from ..ownership import write_text
 from ..target import TargetOptions, pick_device, spread_kwargs
 from .build import DrafterOptions, build_drafter, continue_drafter
-from .options import TrainConfig
+from .train_options import TrainConfig
 from .preflight import preflight
 
 

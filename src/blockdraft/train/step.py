@@ -18,7 +18,7 @@ from ..model.blocks import block_input_ids, label_positions, supervised_slots
 from ..model.masks import document_starts
 from .anchors import sample_anchors
 from .loss import Labels, default_gamma, dflash_loss_chunked, loss_chunk_slots
-from .options import DEFAULTS
+from .train_options import DEFAULTS
 
 
 @dataclass

@@ -22,7 +22,7 @@ from .distributed import (all_gather_floats, all_reduce_mean, average_gradients,
                           gradient_sync, grouped, world)
 from .cadence import Cadence, poll, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
-from .options import TrainConfig
+from .train_options import TrainConfig
 from .retention import BEST, BEST_JSON, best_record, keeper, newest, prune, read_best
 from .rundir import append_metrics, resumed_record, saved_settings, truncate_metrics, write_record
 from .state import checkpoint_bytes, load_state, run_bytes, save_state

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .options import EngineOptions
+from .engine_options import EngineOptions
 
 
 def extract_with_vllm(target_opts, data, opts, engine: EngineOptions) -> str:
@@ -60,7 +60,7 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
     from ..base import architectures
     from .capture import RowsAhead, SpoolReader, StateReader, capture_ids
     from .launch import budget_of, open_engines
-    from .options import spool_dir
+    from .engine_options import spool_dir
 
     L, ids = rows["input_ids"].shape[1], capture_ids(target.layer_ids, target.num_layers)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -106,6 +106,6 @@ def check_extract(target_opts, engine: EngineOptions) -> None:
                          "(--tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size)")
     if target_opts.target_device_map or target_opts.target_fsdp:
         raise ValueError("extract --engine vllm places the target itself: drop --target-device-map and --target-fsdp")
-    from .options import require_vllm
+    from .engine_options import require_vllm
 
     require_vllm(engine, "extract")

@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .options import cpu_kv_bytes
+from .engine_options import cpu_kv_bytes
 
 
 class EngineFailed(RuntimeError):

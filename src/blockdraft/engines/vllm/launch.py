@@ -322,7 +322,7 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
                  architectures: list[str], say=print) -> Engines:
     """The engines feeding the spool at `root`: those already running there for `want` (target, aux ids,
     dtype), else new ones started for it on an emptied spool (`opts`: the command's EngineOptions)."""
-    from .options import check_layout, gpus_per_replica, memory_kwargs, spool_budget
+    from .engine_options import check_layout, gpus_per_replica, memory_kwargs, spool_budget
 
     check_layout(opts, want["target"])
     engines = running(root, want)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .options import EngineOptions, engine_gpus, node_rank, spool_dir
+from .engine_options import EngineOptions, engine_gpus, node_rank, spool_dir
 
 
 @dataclass
@@ -57,7 +57,7 @@ def check_online(cfg) -> None:
     if t.target_fsdp or t.target_device_map:
         raise ValueError("--engine vllm runs the target in vLLM's own processes: drop --target-fsdp and "
                          "--target-device-map (vLLM's --tensor-parallel-size and --expert-parallel place it)")
-    from .options import require_vllm
+    from .engine_options import require_vllm
 
     require_vllm(cfg.engine, "train")
 

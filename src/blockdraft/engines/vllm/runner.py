@@ -81,7 +81,7 @@ class VllmRunner(Runner):
         return node_split(opts)
 
     def trainer_memory_fraction(self, opts) -> float | None:
-        from .options import trainer_memory_fraction
+        from .engine_options import trainer_memory_fraction
 
         return trainer_memory_fraction(opts)
 

@@ -18,9 +18,9 @@ from blockdraft import locks
 from blockdraft.cli import main
 from blockdraft.ownership import MARKER
 from conftest import dead_pid
-from test_ownership import TRAIN, one_line_error, tiny_drafter_dir
+from .test_ownership import TRAIN, one_line_error, tiny_drafter_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 HOLD = """

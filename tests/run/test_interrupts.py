@@ -10,7 +10,7 @@ from pathlib import Path
 
 from blockdraft.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):

@@ -23,7 +23,7 @@ from blockdraft.locks import host
 from blockdraft.ownership import MARKER, read_marker
 from conftest import dead_pid
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CONVERT = """
 import os, sys, time

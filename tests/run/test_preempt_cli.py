@@ -18,7 +18,7 @@ import torch
 
 from blockdraft.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["--max-length", "128", "--batch-tokens", "256", "--max-anchors", "16", "--draft-vocab", "full",
          "--eval-every", "4", "--save-every", "5", "--no-progress", "--threads", "1", "--eval-fraction", "0.1"]
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from blockdraft.cli import build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT = {"faults": 0, "tracebacks": 0, "files_lost": 0}
 
 
@@ -92,7 +92,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-# train killed at random points (kill -9) and resumed: tests/test_preempt_cli.py, with kept and best checkpoints
+# train killed at random points (kill -9) and resumed: tests/run/test_preempt_cli.py, with kept and best checkpoints
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from blockdraft.locks import host
 from blockdraft.ownership import MARKER, read_marker, temp_path
 from conftest import dead_pid, tiny_target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["--max-length", "128", "--batch-tokens", "256", "--max-anchors", "16", "--draft-vocab", "full",
          "--eval-every", "2", "--save-every", "1", "--no-progress", "--threads", "1", "--eval-fraction", "0.1",
          "--steps", "2"]
