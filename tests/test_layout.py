@@ -125,3 +125,25 @@ def test_no_private_name_is_imported_from_another_module():
                 found += [f"{module_name(path)}: {a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert found == [], found
+
+
+def sentences(markdown: str) -> list[str]:
+    """A page's sentences, code left out: every heading and list item is its own, paragraphs are split
+    where a sentence ends (., ! or ? before a capital, a backtick or a parenthesis)."""
+    import re
+
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    blocks, out = re.split(r"\n\s*\n|\n(?=\s*[-#*] )|\n(?=\s*\d+\. )", text), []
+    for block in blocks:
+        flat = " ".join(block.split())
+        out += [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", flat) if s.strip()]
+    return out
+
+
+def test_the_readme_is_short_enough_to_read_in_one_sitting():
+    """At most 200 lines; no sentence over 60 words; the long material lives in docs/."""
+    readme = (ROOT.parents[1] / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    longest = max(sentences(readme), key=lambda s: len(s.split()))
+    assert len(longest.split()) <= 60, longest
+    assert sentences("A b c. D e.\n\n- one item. Two.\n- three") == ["A b c.", "D e.", "- one item.", "Two.", "- three"]

@@ -181,12 +181,13 @@ def test_the_shared_plan_takes_the_first_trainer_option_that_fits_beside_the_mos
 
 
 def test_every_layout_the_readme_recommends_is_one_the_plan_may_choose():
-    """The README's capture commands (extract, train) carry no pipeline stages, and a MoE target's tensor
-    parallel spreads its experts, as the plan chooses."""
+    """The capture commands (extract, train) of the README and docs/ carry no pipeline stages, and a MoE
+    target's tensor parallel spreads its experts, as the plan chooses."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    readme = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     commands = [ln for ln in readme.splitlines() if "--engine vllm" in ln and re.search(r"\b(extract|train) ", ln)
                 and ln.lstrip().startswith(("blockdraft", "torchrun"))]
     assert commands
