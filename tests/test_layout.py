@@ -12,8 +12,8 @@ import blockdraft
 ROOT = Path(blockdraft.__file__).parent
 # DESIGN.md section 3, lowest first; a unit may import units of its own layer or below.
 LAYERS = (
-    ("__init__", "options", "locks", "process_group", "ownership", "atomic", "finite", "preempt"),  # no blockdraft
-    # algorithm
+    # no blockdraft algorithm
+    ("__init__", "options", "locks", "process_group", "ownership", "atomic", "finite", "preempt", "checks"),
     ("config",),  # the drafter's side of the contract
     ("model", "target", "checkpoint", "pairing"),  # the two models and their files
     ("data", "generate", "bench"),  # the data, decoding, the benchmark runner

