@@ -148,7 +148,8 @@ def test_layer_ids_off_by_one_are_caught(setup, served, monkeypatch):
 
 def test_doctor_llama_cpp_passes_the_shipped_drafter_and_fails_an_off_by_one(setup, monkeypatch):
     import blockdraft.target as target_module
-    from blockdraft.doctor import FAIL, PASS, check_llamacpp
+    from blockdraft.checks import FAIL, PASS
+    from blockdraft.engines.llamacpp.doctor import check_llamacpp
 
     _, _, target, drafter, _, _ = setup
     good = check_llamacpp(target, drafter, str(target_gguf("smollm2")))
@@ -307,7 +308,8 @@ def test_kind_file_with_a_fault_fails_the_agreement_check(kinds, kind, fault, mo
 def test_doctor_llama_cpp_passes_a_dspark_drafter(kinds):
     """`blockdraft doctor --llama-cpp` on a DSpark drafter: it serves the file as `draft-dspark` and
     reads each step of the walk, so a sound DSpark drafter passes."""
-    from blockdraft.doctor import PASS, check_llamacpp
+    from blockdraft.checks import PASS
+    from blockdraft.engines.llamacpp.doctor import check_llamacpp
 
     c = check_llamacpp(kinds.target, kinds.drafters()["dspark"], str(target_gguf("smollm2")))
     record(doctor_dspark=c.message)

@@ -147,10 +147,10 @@ def test_vllm_serves_an_anchor_window_drafter_with_the_query_window(setup):
 
 def test_doctor_checks_the_acceptance_vllm_serves(setup):
     """`blockdraft doctor --vllm`: the serving engine's acceptance on the user's text against ours."""
-    from blockdraft.doctor import check_vllm
+    from blockdraft.engines.vllm.doctor import check_acceptance
 
     _, target, prompts, _ = setup
-    check = check_vllm(target, smollm2_variants()["query-causal"], torch.tensor([prompts[1]]))
+    check = check_acceptance(target, smollm2_variants()["query-causal"], torch.tensor([prompts[1]]))
     assert check.status == "PASS", check.message
 
 
