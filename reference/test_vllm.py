@@ -64,8 +64,29 @@ def setup(tmp_path_factory):
     return tmp, target, prompts, base
 
 
+OURS: dict = {}  # (the drafter's config and weights, the prompts) -> ours(...): one drafter, one run
+
+
+def fingerprint(drafter) -> str:
+    import hashlib
+
+    h = hashlib.sha256(repr(drafter.config).encode())
+    for k, v in sorted(drafter.state_dict().items()):
+        h.update(k.encode() + str(v.dtype).encode() + v.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def ours(target, drafter, prompts):
-    """`blockdraft generate` on the same prompts: tokens, per-step accepted drafts, tau."""
+    """`blockdraft generate` on the same prompts: tokens, per-step accepted drafts, tau (computed once
+    for a drafter whose config and weights equal one already run: the shipped drafter is the
+    query-causal variant, served from its committed directory and from speculators' layout)."""
+    key = (fingerprint(drafter), repr(prompts))
+    if key not in OURS:
+        OURS[key] = generate_ours(target, drafter, prompts)
+    return OURS[key]
+
+
+def generate_ours(target, drafter, prompts):
     tokens, steps = [], []
     for p in prompts:
         res = speculative_generate(target, drafter, torch.tensor([p]), max_new_tokens=MAX_TOKENS,
