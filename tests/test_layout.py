@@ -147,3 +147,30 @@ def test_the_readme_is_short_enough_to_read_in_one_sitting():
     longest = max(sentences(readme), key=lambda s: len(s.split()))
     assert len(longest.split()) <= 60, longest
     assert sentences("A b c. D e.\n\n- one item. Two.\n- three") == ["A b c.", "D e.", "- one item.", "Two.", "- three"]
+
+
+# the engines that run or serve a model; "dflash" and "speculators" also name a kind and a format, so a
+# comparison with them is not an engine's branch
+ENGINE_NAMES = {"transformers", "vllm", "llama.cpp", "llamacpp", "sglang"}
+
+
+def engine_name_branches(tree: ast.AST) -> list[int]:
+    """Lines that compare a value with an engine's name (`x == "vllm"`, `x in ("vllm", ...)`)."""
+    def names(node) -> set:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value.lower()}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(names(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(names(x) & ENGINE_NAMES for x in (node.left, *node.comparators))]
+
+
+def test_no_code_outside_engines_branches_on_an_engines_name():
+    """Commands ask `engines` for what they need (a runner, a consumer's records); only engines/ knows
+    which engine does what."""
+    found = [f"{module_name(p)}:{line}" for p in ROOT.rglob("*.py") if "engines" not in p.relative_to(ROOT).parts
+             for line in engine_name_branches(ast.parse(p.read_text()))]
+    assert found == [], found
+    assert engine_name_branches(ast.parse('if a == "vllm" or b in ("x", "llama.cpp"): pass')) == [1, 1]
