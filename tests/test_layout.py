@@ -149,6 +149,15 @@ def test_the_readme_is_short_enough_to_read_in_one_sitting():
     assert sentences("A b c. D e.\n\n- one item. Two.\n- three") == ["A b c.", "D e.", "- one item.", "Two.", "- three"]
 
 
+def test_every_docs_page_is_written_as_the_readme_is():
+    """docs/: no sentence over 60 words (a table's rows are data, not sentences)."""
+    pages = sorted((ROOT.parents[1] / "docs").glob("*.md"))
+    assert pages
+    long = [(p.name, " ".join(s.split()[:12])) for p in pages for s in sentences(p.read_text())
+            if len(s.split()) > 60 and not s.startswith("|")]
+    assert long == [], long
+
+
 # the engines that run or serve a model; "dflash" and "speculators" also name a kind and a format, so a
 # comparison with them is not an engine's branch
 ENGINE_NAMES = {"transformers", "vllm", "llama.cpp", "llamacpp", "sglang"}
