@@ -169,7 +169,7 @@ def engine_name_branches(tree: ast.AST) -> list[int]:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return {node.value.lower()}
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return set().union(*(names(e) for e in node.elts)) if node.elts else set()
+            return set().union(*(names(e) for e in node.elts))
         return set()
 
     return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
