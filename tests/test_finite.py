@@ -123,7 +123,7 @@ def test_an_infinite_gradient_stops_the_run(tmp_path, monkeypatch):
 
 
 def test_metrics_records_are_valid_json_or_refused(tmp_path):
-    from blockdraft.train.rundir import append_metrics
+    from blockdraft.rundir.files import append_metrics
 
     assert json.loads(dumps_finite({"step": 1, "loss": 0.5}, "x")) == {"step": 1, "loss": 0.5}
     with pytest.raises(ValueError, match=r"metrics of step 2: eval_loss = nan is not finite"):
@@ -135,7 +135,7 @@ def test_metrics_records_are_valid_json_or_refused(tmp_path):
 
 def test_non_finite_weights_are_never_saved_or_exported(tmp_path):
     from blockdraft.checkpoint.native import save_drafter
-    from blockdraft.train.state import save_state
+    from blockdraft.rundir.state import save_state
 
     _, d, _ = doctor_setup()
     plant(d, "one NaN weight")

@@ -13,12 +13,13 @@ ROOT = Path(blockdraft.__file__).parent
 # DESIGN.md section 3, lowest first; a unit may import units of its own layer or below.
 LAYERS = (
     # no blockdraft algorithm
-    ("__init__", "options", "locks", "process_group", "ownership", "atomic", "finite", "preempt", "checks"),
+    ("__init__", "options", "process_group", "finite", "preempt", "checks"),
+    ("rundir",),  # a command's output directory: ownership, locks, swaps, the trainer's state, retention
     ("config",),  # the drafter's side of the contract
     ("model", "target", "checkpoint", "pairing"),  # the two models and their files
     ("data", "generate", "bench"),  # the data, decoding, the benchmark runner
     ("engines",),  # everything that runs or serves a model: who serves what, and what runs the target
-    ("train", "plan"),
+    ("train", "plan", "extract"),
     ("doctor",),  # the checks (a command's library)
     ("cli", "__main__"),
 )
@@ -183,3 +184,19 @@ def test_no_code_outside_engines_branches_on_an_engines_name():
              for line in engine_name_branches(ast.parse(p.read_text()))]
     assert found == [], found
     assert engine_name_branches(ast.parse('if a == "vllm" or b in ("x", "llama.cpp"): pass')) == [1, 1]
+
+
+# what a command may take from rundir/ directly: the object, and the rules any writer applies
+# (markers, locks, swaps) or an option's parser needs (--report-to's trackers)
+RUNDIR_DOORS = {"blockdraft.rundir", "blockdraft.rundir.directory", "blockdraft.rundir.ownership",
+                "blockdraft.rundir.locks", "blockdraft.rundir.atomic", "blockdraft.rundir.trackers"}
+
+
+def test_a_runs_files_are_reached_through_rundir_only():
+    """The state files, the checkpoints kept, the best drafter, the metrics, the settings and the plots
+    are `RunDir`'s: no module outside rundir/ imports the modules that hold them."""
+    behind = sorted(f"{m} -> {t}" for m, ts in imports().items() if unit(m) != "rundir"
+                    for t in ts if unit(t) == "rundir" and t not in RUNDIR_DOORS)
+    assert behind == [], behind
+    # the reader sees such an import (it would fail the test above if a command made one)
+    assert "blockdraft.rundir.state" in imports()["blockdraft.rundir.directory"]

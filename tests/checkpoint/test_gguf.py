@@ -186,7 +186,7 @@ def test_gguf_export_refuses_a_mismatch_and_another_target(tmp_path):
 
 def recorded_need(monkeypatch) -> list:
     """The bytes the GGUF writer's free-space check asks for (the check itself still runs)."""
-    import blockdraft.atomic as atomic
+    import blockdraft.rundir.atomic as atomic
 
     seen, real = [], atomic.check_free_space
     monkeypatch.setattr(atomic, "check_free_space", lambda p, need, what: seen.append(need) or real(p, need, what))
@@ -304,7 +304,7 @@ def test_a_killed_gguf_export_leaves_what_the_next_one_removes_and_nothing_else(
     import signal
 
     from blockdraft.checkpoint import save_drafter
-    from blockdraft.locks import host
+    from blockdraft.rundir.locks import host
 
     d, target = tiny_gguf_case(tmp_path)
     src, dst = save_drafter(d, tmp_path / "src"), tmp_path / "d.gguf"

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from blockdraft.target import cache as target_cache
-from blockdraft.locks import host
-from blockdraft.ownership import MARKER, read_marker
+from blockdraft.rundir.locks import host
+from blockdraft.rundir.ownership import MARKER, read_marker
 from conftest import dead_pid
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import blockdraft.train.trainer as trainer_mod
 from blockdraft.checkpoint import load_drafter
-from blockdraft.train.retention import BEST, KEPT, candidates, kept_name
+from blockdraft.rundir.retention import BEST, KEPT, candidates, kept_name
 from conftest import dead_pid, make
 
 
@@ -73,8 +73,8 @@ def test_fewer_kept_on_resume_removes_the_oldest(tmp_path):
 
 def test_a_save_killed_before_its_swap_is_ignored_saying_so(tmp_path, capsys):
     make(tmp_path, steps=4, keep_checkpoints=2).train()
-    from blockdraft.locks import host
-    from blockdraft.ownership import write_marker
+    from blockdraft.rundir.locks import host
+    from blockdraft.rundir.ownership import write_marker
 
     cut = tmp_path / f".checkpoint.blockdraft-tmp-{host()}-{dead_pid()}"  # as a killed save leaves it
     cut.mkdir()
@@ -111,7 +111,7 @@ def faulty(monkeypatch, tr, window):
     """While the run is at steps `window[0]` to `window[1]`, the k-th file operation (a rename, a
     removal, a tensor file's write) raises Crash; returns the state whose "k" sets it."""
     import blockdraft.checkpoint.native as native_mod
-    import blockdraft.train.state as state_mod
+    import blockdraft.rundir.state as state_mod
 
     state = {"k": 0, "n": 0}
 

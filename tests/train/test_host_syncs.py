@@ -44,7 +44,7 @@ def test_a_step_reads_the_device_a_fixed_number_of_times(cached):
 def test_a_checkpoint_copies_the_state_to_the_host_without_a_device_clone(tmp_path):
     """Saving copies each tensor to the host directly: a clone on the GPU first would hold a second
     drafter and optimizer state there while the file is written."""
-    from blockdraft.train.state import save_state
+    from blockdraft.rundir.state import save_state
 
     t = tiny_target("llama")
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4))

@@ -19,7 +19,7 @@ from blockdraft.engines.vllm.feed import STAND_IN
 from blockdraft.engines.vllm.engine_options import EngineOptions
 from blockdraft.target import TargetOptions
 from blockdraft.train.build import DrafterOptions
-from blockdraft.train.extract import ExtractOptions, run_extract
+from blockdraft.extract import ExtractOptions, run_extract
 from blockdraft.train.train_options import TrainConfig
 from blockdraft.train.run import RunConfig, run_training
 

@@ -85,7 +85,7 @@ def test_a_full_disk_is_refused_before_anything_loads(tmp_path, tiny_target_dir,
 
 
 def test_disk_sizes_read_as_people_write_them(tmp_path, monkeypatch):
-    from blockdraft.atomic import check_free_space
+    from blockdraft.rundir.atomic import check_free_space
 
     real = shutil.disk_usage
     for free, need, said in ((0, 1000, "needs 1000 bytes, 0 bytes free"), (10, 5 * 2**10, "needs 5.0 KiB"),

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockdraft.checkpoint import load_drafter, save_drafter
-from blockdraft.atomic import atomic_dir, recover_dir
+from blockdraft.rundir.atomic import atomic_dir, recover_dir
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.train import Batch, compute_loss, dflash_loss
@@ -69,7 +69,7 @@ def test_atomic_dir_survives_a_crash_at_any_point(tmp_path):
         atomic_dir(target, crash)
     assert (target / "x").read_text() == "old"
     # killed between the two renames: only the swapped-out directory is left, and it is taken back
-    from blockdraft.ownership import temp_path
+    from blockdraft.rundir.ownership import temp_path
 
     target.rename(temp_path(target, "old"))
     assert recover_dir(target) == target and (target / "x").read_text() == "old"

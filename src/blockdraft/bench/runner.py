@@ -94,7 +94,7 @@ def plot_hist(results: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..ownership import replace_bytes
+    from ..rundir.ownership import replace_bytes
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.5), squeeze=False)
     for ax, r in zip(axes[0], results):
@@ -127,7 +127,7 @@ def bench_plot(path) -> bool:
 
 def check_outputs(json_path=None, plot_path=None) -> None:
     """--json and --plot, before the bench runs: a new file, or one bench wrote (never a link)."""
-    from ..ownership import check_file
+    from ..rundir.ownership import check_file
 
     if json_path:
         check_file(json_path, "bench", bench_json, "a bench result")
@@ -138,7 +138,7 @@ def check_outputs(json_path=None, plot_path=None) -> None:
 def run_bench(target, drafter, sets: list[str], n: int, *, max_new_tokens: int = 256, block_size=None,
               json_path=None, plot_path=None, progress: bool = True, draft_threshold: float = 0.0,
               lookup: int = 0) -> list[dict]:
-    from ..ownership import replace_text
+    from ..rundir.ownership import replace_text
 
     check_sets(",".join(sets))  # an empty list would print an empty table and pass
     check_outputs(json_path, plot_path)

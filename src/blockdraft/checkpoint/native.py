@@ -22,9 +22,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
-from ..atomic import atomic_dir
+from ..rundir.atomic import atomic_dir
 from ..finite import require_finite
-from ..ownership import swapping
+from ..rundir.ownership import swapping
 from ..model import DFlashDrafter
 from ..target.files import head_rows
 from . import formats
@@ -245,7 +245,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier
     """Rewrite a drafter directory in another format; the trained tensors are copied bit for bit.
     One writer of `dst` at a time (`locks`); a directory is replaced only where convert wrote it,
     a GGUF file only with `overwrite` (and where convert wrote it)."""
-    from ..locks import locked
+    from ..rundir.locks import locked
 
     path = resolve_drafter(src)
     if Path(dst).resolve() == path.resolve():

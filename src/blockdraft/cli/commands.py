@@ -168,7 +168,7 @@ def cmd_extract(args) -> int:
     from ..engines.vllm.engine_options import EngineOptions
     from ..options import from_args
     from ..target import TargetOptions
-    from ..train.extract import ExtractOptions, run_extract
+    from ..extract import ExtractOptions, run_extract
 
     _threads(args)
     out = run_extract(from_args(TargetOptions, args), from_args(DataOptions, args), from_args(ExtractOptions, args),

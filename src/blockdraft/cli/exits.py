@@ -76,9 +76,9 @@ def rerun_hint(args) -> str:
     try:
         from pathlib import Path
 
-        from ..train.retention import newest
+        from ..rundir.directory import RunDir
 
-        saved = newest(Path(train_config(args, getattr(args, "argv", [])).train.out)) is not None
+        saved = RunDir(Path(train_config(args, getattr(args, "argv", [])).train.out)).newest() is not None
     except (ValueError, OSError, AttributeError):
         saved = False
     if saved:

@@ -132,7 +132,7 @@ def _add_extract(sub) -> None:
     from ..data.pipeline import DataOptions
     from ..engines.vllm.engine_options import EngineOptions
     from ..options import add_options
-    from ..train.extract import ENGINE_FLAGS, ExtractOptions
+    from ..extract import ENGINE_FLAGS, ExtractOptions
 
     x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)",
                        formatter_class=FORMATTER)

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..atomic import check_free_space
+from ..rundir.atomic import check_free_space
 from ..finite import require_finite
-from ..ownership import MARKER as OWNER_MARKER
-from ..ownership import check_owned, is_temp, open_private, read_marker, remove_leftovers_in, temp_path, write_marker
+from ..rundir.ownership import MARKER as OWNER_MARKER
+from ..rundir.ownership import check_owned, is_temp, open_private, read_marker, remove_leftovers_in, temp_path, write_marker
 from ..process_group import grouped
 
 MANIFEST = "manifest.json"

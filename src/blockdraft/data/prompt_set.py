@@ -63,7 +63,7 @@ def _first_record(path: Path) -> dict | None:
 def check_prompts_out(out: str | os.PathLike) -> None:
     """`blockdraft prompts --out`, before any sampling: a new file, or a prompt set (and its samples
     file) such as prompts writes; a user's file or a link is refused naming it."""
-    from ..ownership import check_file
+    from ..rundir.ownership import check_file
 
     check_file(out, "prompts", lambda p: {"id", "kind", "messages"} <= set(_first_record(p) or {}),
                "a prompt set (records of id, kind, messages)")
@@ -73,14 +73,14 @@ def check_prompts_out(out: str | os.PathLike) -> None:
 
 def write_prompts(records: list[dict], out: str | os.PathLike) -> Path:
     """Write records atomically (gzip for .gz, with a fixed timestamp so rebuilding gives the same bytes)."""
-    from ..ownership import remove_leftovers, temp_path
+    from ..rundir.ownership import remove_leftovers, temp_path
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)  # what a killed write left (never a file of another name)
     tmp = temp_path(out)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-    from ..atomic import check_free_space
+    from ..rundir.atomic import check_free_space
 
     check_free_space(out.parent, len(text), f"the {len(records)} records")  # gzip writes fewer: a bound
     if out.suffix == ".gz":
@@ -111,14 +111,14 @@ def magpie_samples(sampler, n: int, seed: int, samples_path: Path | None, progre
         return have[:n]
     generate, tok = sampler()
     if samples_path is not None:  # each sample a line of at most MAX_TOKENS tokens, before the first is drawn
-        from ..atomic import check_free_space
+        from ..rundir.atomic import check_free_space
         from .magpie import MAX_TOKENS
         line = len(json.dumps({"text": ""})) + 1 + MAX_TOKENS * token_bytes(tok)
         check_free_space(samples_path.parent, int((n - len(have)) * line), f"{n - len(have)} Magpie samples")
 
     def save(text: str) -> None:
         if samples_path is not None:
-            from ..ownership import open_private
+            from ..rundir.ownership import open_private
 
             with open_private(samples_path, "a") as f:  # never through a link
                 f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")

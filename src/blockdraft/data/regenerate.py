@@ -175,16 +175,14 @@ def regenerate(generator, prompts: list[tuple[object, list[dict]]], out: str | o
     what an engine runs the target with (`engines.runner(name).generator(...)`: its `tokenizer`, `name`,
     `check_sampling` and `generate(prompt ids, ...) -> [(ids, reason)]`). One regenerate writes `out` at
     a time: a second is refused, naming the first (`locks`)."""
-    from ..locks import locked
+    from ..rundir.directory import RunDir
 
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
     sampling = sampling_of(temperature, top_p, seed)
     generator.check_sampling(sampling)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with locked(out, "regenerate", lead=True):
-        return _answer(generator, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
+    with RunDir(out, "regenerate").lock() as run:
+        return _answer(generator, prompts, run, max_new_tokens=max_new_tokens, batch_size=batch_size,
                        progress=progress, sampling=sampling)
 
 
@@ -215,18 +213,18 @@ def _todo(prompts, done: set, settings: dict) -> tuple[list, int]:
     return todo, skipped
 
 
-def _answer(generator, prompts: list[tuple[object, list[dict]]], out: Path, *, max_new_tokens: int,
+def _answer(generator, prompts: list[tuple[object, list[dict]]], run, *, max_new_tokens: int,
             batch_size: int, progress: bool, sampling: dict) -> dict:
+    """`run`: the answers file's `RunDir`, locked."""
     from tqdm.auto import tqdm
 
+    out = run.path
     tok = generator.tokenizer
     todo, skipped = _todo(prompts, done_hashes(out), _settings(sampling))
     if todo:  # found before the first answer, not at the thousandth
-        from ..atomic import check_free_space
-
-        check_free_space(out.parent, answers_bytes(tok, [(p, h, hist) for p, h, hist, _, _ in todo],
-                                                   max_new_tokens * max(len(t[3]) for t in todo)),
-                         f"the answers to {len(todo)} prompts")
+        run.check_space(answers_bytes(tok, [(p, h, hist) for p, h, hist, _, _ in todo],
+                                      max_new_tokens * max(len(t[3]) for t in todo)),
+                        f"the answers to {len(todo)} prompts")
     stop = stop_token_ids(tok)
     markers = {}
     written = 0

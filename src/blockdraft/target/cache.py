@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..locks import locked, pid_alive
-from ..ownership import owned_by, remove_leftovers, temp_path, write_marker
+from ..rundir.locks import locked, pid_alive
+from ..rundir.ownership import owned_by, remove_leftovers, temp_path, write_marker
 
 OWNER = "target-cache"
 _LEGACY_TMP = re.compile(r"^(?P<base>.+)\.tmp(?P<pid>\d+)$")  # what releases before 0.10 left: NAME.tmpPID

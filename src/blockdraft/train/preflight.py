@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 # settings a resumed run may change: how it runs and reports, never what it computes
 RESUMABLE = {
@@ -33,7 +32,7 @@ RESUMABLE = {
 def preflight(cfg) -> None:
     """Every check below, in order; the first that fails raises its ValueError."""
     from ..options import check_fields
-    from .trackers import check_installed
+    from ..rundir.trackers import check_installed
 
     for name in cfg.PARTS:
         check_fields(getattr(cfg, name), where=f"{name}.")
@@ -124,13 +123,12 @@ def check_resumed_settings(cfg) -> None:
     """--resume continues the run in --out exactly: a setting that would change what it computes
     (the learning rate, the schedule, the data, the drafter) must equal the one it started with,
     as its train_config.json records it (or, that file lost, the copy its checkpoint keeps)."""
-    from .retention import newest
-    from .rundir import CONFIG_FILE, LENGTH, saved_settings
+    from ..rundir.directory import RunDir
 
-    out = Path(cfg.train.out)
-    if not cfg.train.resume or newest(out) is None and not (out / CONFIG_FILE).exists():
+    run = RunDir(cfg.train.out)
+    if not cfg.train.resume or run.newest() is None and not run.settings_file.exists():
         return  # nothing to continue: check_resume says so
-    saved, recovered = saved_settings(out)
+    saved, recovered = run.saved_settings()
     lead = os.environ.get("RANK", "0") == "0"
     if recovered and lead:
         print(f"blockdraft train: warning: {recovered}; --resume rewrites it from them", file=sys.stderr)
@@ -138,13 +136,13 @@ def check_resumed_settings(cfg) -> None:
     for part, values in saved.items():
         for key, was in values.items():
             if key in now.get(part, {}) and key not in RESUMABLE.get(part, set()) and now[part][key] != was:
-                (grown if part == "train" and key in LENGTH else changed).append(
+                (grown if part == "train" and key in run.LENGTH else changed).append(
                     f"--{key.replace('_', '-')} {was} (now {now[part][key]})")
     if grown and not changed and lead:
         print(f"blockdraft train: warning: --resume with another run length, {', '.join(grown)}: the learning rate "
               "after the checkpoint follows the new length's schedule", file=sys.stderr)
     if changed:
-        replay = "" if recovered else f" (blockdraft train --config {out / CONFIG_FILE} --resume)"
+        replay = "" if recovered else f" (blockdraft train --config {run.settings_file} --resume)"
         raise ValueError(f"--resume: this run was started with {', '.join(changed)}; resume it with its own settings"
                          f"{replay} or start a new --out")
 
@@ -187,12 +185,12 @@ def check_before_loading(cfg) -> None:
                          f"{need / 2**30:,.1f} GiB for its tokens and the target's features alone, more than this "
                          f"machine's {have / 2**30:,.1f} GiB of memory; use a smaller max_length")
     if dc is not None and os.environ.get("RANK", "0") == "0":
-        from ..atomic import check_free_space
         from ..plan import drafter_sizes
-        from .state import run_bytes
+        from ..rundir.directory import RunDir
 
-        check_free_space(cfg.train.out, run_bytes(drafter_sizes(dc)["params"], cfg.train.keep_checkpoints,
-                                                  cfg.train.save_best), "the checkpoints and the final drafter")
+        run = RunDir(cfg.train.out)
+        run.check_space(run.run_bytes(drafter_sizes(dc)["params"], cfg.train.keep_checkpoints, cfg.train.save_best),
+                        "the checkpoints and the final drafter")
 
 
 def planned_drafter(cfg, hf):

@@ -19,7 +19,7 @@ import torch
 from ..data.pipeline import DataOptions, bound_rows, check_cache_options, conversation_rows
 from ..engines.vllm.engine_options import EngineOptions
 from ..finite import dumps_finite
-from ..ownership import write_text
+from ..rundir.directory import RunDir
 from ..target import TargetOptions, pick_device, spread_kwargs
 from .build import DrafterOptions, build_drafter, continue_drafter
 from .train_options import TrainConfig
@@ -78,11 +78,9 @@ class RunConfig:
 
 def check_resume(out: str | Path, resume: bool) -> None:
     """--resume needs a run to continue; say so before loading anything (and create nothing)."""
-    from ..atomic import recover_dir
-    from .retention import newest
-
+    run = RunDir(out)
     # checkpoint/ there (loading it names what is wrong with it), or a complete one kept
-    if resume and recover_dir(Path(out) / "checkpoint", "train") is None and newest(out) is None:
+    if resume and run.recover() is None and run.newest() is None:
         raise ValueError(f"--resume: there is no checkpoint in {out}/checkpoint to continue; drop --resume to start "
                          "a new run there (with --overwrite where an earlier one is)")
 
@@ -90,13 +88,9 @@ def check_resume(out: str | Path, resume: bool) -> None:
 def check_resumed_state(out: Path) -> None:
     """The checkpoint's record and the metrics a resume reads, read now rather than after the target
     loaded: one line naming a damaged file (a torn last metrics line is repaired, and said, later)."""
-    from .retention import newest
-    from .rundir import METRICS, metrics_lines
-    from .state import read_meta
-
-    read_meta(newest(out) or out / "checkpoint")
-    if (out / METRICS).is_file():
-        metrics_lines(out / METRICS, say=False)
+    run = RunDir(out)
+    run.checked_meta()
+    run.metrics_lines(say=False)
 
 
 def check_cache(path: str, max_length: int) -> None:
@@ -180,10 +174,8 @@ def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
 
 
 def run_training(cfg: RunConfig) -> dict:
-    """`blockdraft train`: the flags checked, then --out claimed before any work (train.rundir:
+    """`blockdraft train`: the flags checked, then --out claimed before any work (`RunDir.claim`:
     checked whole, locked, marked; a refused run creates nothing), then the run."""
-    from .rundir import claim_run
-
     tc = cfg.train
     tc.validate()
     if cfg.target.threads:  # set in a --config file as well as by the flag
@@ -202,7 +194,7 @@ def run_training(cfg: RunConfig) -> dict:
     for cache in (cfg.data.features_cache, cfg.data.eval_features_cache):
         if cache:  # the manifest and every shard's header, before the target loads
             check_cache(cache, cfg.data.max_length)
-    with claim_run(tc.out, resume=tc.resume, overwrite=tc.overwrite):
+    with RunDir(tc.out).claim(resume=tc.resume, overwrite=tc.overwrite):
         return _train(cfg, tc)
 
 
@@ -246,8 +238,6 @@ def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, 
          device: str, record: dict | None = None) -> dict:
     """`record`: what summary.json adds about where the features came from (an online run's engines)."""
     from ..checkpoint.native import load_drafter
-    from .plots import plot_run
-    from .rundir import clear_run
     from .trainer import Trainer
 
     if cfg.drafter.init_drafter:
@@ -263,13 +253,13 @@ def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, 
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}"
           + (f", rank {rank} of {world_size}" if world_size > 1 else ""))
     if tc.overwrite and rank == 0:  # the earlier run goes only now that this one is ready to start
-        clear_run(tc.out)
+        RunDir(tc.out).clear()
     summary = trainer.train(resume=tc.resume)
     if rank != 0:
         return summary
-    out = Path(tc.out)
-    plot_run(out / "metrics.jsonl", out)
-    load_drafter(out / "drafter")  # the saved directory must load back
+    run = RunDir(tc.out)
+    run.plot()
+    load_drafter(run.path / "drafter")  # the saved directory must load back
     summary = {**summary, **(record or {})}
-    write_text(out / "summary.json", dumps_finite(summary, "the run's summary", indent=1))
+    run.write_summary(dumps_finite(summary, "the run's summary", indent=1))
     return summary

@@ -82,7 +82,7 @@ class TrainConfig:
             raise ValueError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.eval_every < 1 or self.save_every < 1:
             raise ValueError("--eval-every and --save-every must be >= 1")
-        from .trackers import parse_report_to
+        from ..rundir.trackers import parse_report_to
 
         parse_report_to(self.report_to)
         check_fields(self, environment=False)  # and every field: its type, a finite number, its bounds

@@ -13,19 +13,15 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import check_free_space
 from ..checkpoint.native import save_drafter
 from ..finite import check_step
-from ..ownership import write_text
 from ..preempt import Preempted, StepLost, StopSignals
 from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
                           gradient_sync, grouped, world)
 from .cadence import Cadence, poll, rank0_says
 from .evaluate import autocast_for, evaluate, rows_batch
 from .train_options import TrainConfig
-from .retention import BEST, BEST_JSON, best_record, keeper, newest, prune, read_best
-from .rundir import append_metrics, resumed_record, saved_settings, truncate_metrics, write_record
-from .state import checkpoint_bytes, load_state, run_bytes, save_state
+from ..rundir.directory import RunDir
 from .step import compute_loss, plan_host
 
 # on a GPU, the most of the wall time checkpoints and evaluations may each take (train.cadence)
@@ -88,7 +84,8 @@ class Trainer:
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.keep_function = keep_function
-        self.out = Path(cfg.out)
+        self.run = RunDir(cfg.out)  # everything written into --out goes through it
+        self.out = self.run.path
         self.rows_per_batch = rows_per_batch(cfg, train_rows)
         R = train_rows["input_ids"].shape[0]
         self.rank, self.world = world()
@@ -287,11 +284,11 @@ class Trainer:
     # --------------------------------------------------------------- checkpoints
     @property
     def ckpt_dir(self) -> Path:
-        return self.out / "checkpoint"
+        return self.run.checkpoint
 
     def checkpoint_bytes(self) -> int:
         """About what one checkpoint takes: the drafter and AdamW's two moments, in fp32."""
-        return checkpoint_bytes(sum(p.numel() for p in self.drafter.parameters()))
+        return self.run.checkpoint_bytes(sum(p.numel() for p in self.drafter.parameters()))
 
     def save(self) -> None:
         states: dict = {}
@@ -305,9 +302,8 @@ class Trainer:
         step = self.progress["step"]
         keep = self.cfg.keep_checkpoints
         try:  # a swap holds the old checkpoint until the new one is complete: room for two
-            save_state(self.ckpt_dir, drafter=self.drafter, optimizer=self.opt, progress=self.progress,
-                       need_bytes=2 * self.checkpoint_bytes(), settings=self.record,
-                       keep_old=keeper(self.out, keep), **states)
+            self.run.save(drafter=self.drafter, optimizer=self.opt, progress=self.progress, keep=keep,
+                          need_bytes=2 * self.checkpoint_bytes(), settings=self.record, **states)
         except (OSError, ValueError) as e:
             kept = self.saved_step
             raise ValueError(f"could not write the checkpoint of step {step} in {self.ckpt_dir} "
@@ -317,27 +313,25 @@ class Trainer:
         self.saved_step = step
         if self.trackers:  # the steps up to this checkpoint: those a --resume keeps
             self.trackers.flush()
-        prune(self.out, keep, step)  # the oldest beyond --keep-checkpoints, once the newest is in place
         barrier()
 
     def resume(self) -> None:
-        """From the newest complete checkpoint (`retention.newest`), saying which (rank 0)."""
+        """From the newest complete checkpoint (`RunDir.load`), saying which (rank 0)."""
         import sys
 
         barrier()  # every rank reads the checkpoint rank 0 finished writing
         say = (lambda line: print(f"blockdraft train: warning: {line}", file=sys.stderr)) if self.rank == 0 else None
-        path = newest(self.out, say) or self.ckpt_dir
-        self.progress = load_state(path, drafter=self.drafter, optimizer=self.opt)
+        path, self.progress = self.run.load(drafter=self.drafter, optimizer=self.opt, say=say)
         self.saved_step = self.progress["step"]
         if self.rank == 0:
             print(f"train: resuming from {path} (step {self.saved_step})", flush=True)
         if self.rank == 0:  # one writer (DESIGN.md section 5, rule 5); the others wait below
-            truncate_metrics(self.out, self.progress["step"])
+            self.run.truncate_metrics(self.progress["step"])
         barrier()
 
     def log(self, record: dict) -> None:
         if self.rank == 0:
-            append_metrics(self.out, record, kept=self.saved_step)  # never through a link (train.rundir)
+            self.run.append_metrics(record, kept=self.saved_step)  # never through a link
             if self.trackers:
                 self.trackers.report(record)
 
@@ -466,8 +460,8 @@ class Trainer:
             return
         plain = self.plain_drafter()
         if self.rank == 0:
-            save_drafter(plain, self.out / BEST, owner="train", head_rows=self._head_rows(plain),
-                         extra={BEST_JSON: best_record(step, tau)})
+            save_drafter(plain, self.run.best, owner=self.run.owner, head_rows=self._head_rows(plain),
+                         extra=self.run.best_files(step, tau))
         self.best = {"step": step, "eval_tau": tau}
         barrier()
 
@@ -502,27 +496,25 @@ class Trainer:
         every rank (then sharded), the run's config written."""
         self.out.mkdir(parents=True, exist_ok=True)
         if lead:  # found now, not after hours: the checkpoints kept and one more (the swap), the drafters
-            check_free_space(self.out, run_bytes(sum(p.numel() for p in self.drafter.parameters()),
-                                                 self.cfg.keep_checkpoints, self.cfg.save_best),
-                             "the checkpoints and the final drafter")
+            self.run.check_space(self.run.run_bytes(sum(p.numel() for p in self.drafter.parameters()),
+                                                    self.cfg.keep_checkpoints, self.cfg.save_best),
+                                 "the checkpoints and the final drafter")
         if resume:
             self.resume()
-            self.best = read_best(self.out) if self.cfg.save_best else None
+            self.best = self.run.read_best() if self.cfg.save_best else None
         else:
             self.drafter.set_feature_scale(self.feature_scale(), keep_function=self.keep_function)
             if lead:
-                write_text(self.out / "metrics.jsonl", "")
+                self.run.start_metrics()
         # replicated and sharded training alike assume one drafter on every rank
         check_same(list(self.drafter.parameters()), "initial drafters")
         if self.fsdp:
             self._shard()
         if lead:  # whole or not at all; a resumed run records its own settings, not this command's
             if resume:
-                self.record = resumed_record(saved_settings(self.out)[0], self.record)
-            write_record(self.out, self.record)
-            from .trackers import open_trackers
-
-            self.trackers = open_trackers(self.cfg, self.out, self.record, self.progress["step"] if resume else None)
+                self.record = self.run.resumed_settings(self.run.saved_settings()[0], self.record)
+            self.run.write_settings(self.record)
+            self.trackers = self.run.open_trackers(self.cfg, self.record, self.progress["step"] if resume else None)
 
     def _finish(self, lead: bool) -> None:
         """After the last step: the helper threads stopped, the final drafter written (rank 0)."""
@@ -530,7 +522,7 @@ class Trainer:
         final = self.plain_drafter()
         if lead:
             try:
-                save_drafter(final, self.out / "drafter", owner="train", head_rows=self._head_rows(final))
+                save_drafter(final, self.out / "drafter", owner=self.run.owner, head_rows=self._head_rows(final))
             except OSError as e:
                 raise ValueError(f"could not write the final drafter in {self.out / 'drafter'} ({e.strerror}); "
                                  f"the checkpoint of step {self.saved_step} is kept: free space and rerun with "

@@ -319,9 +319,9 @@ def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str
     next one). The tokenizer and a draft vocabulary's head rows come from `target_gguf`."""
     import json
 
-    from ...atomic import check_free_space
+    from ...rundir.atomic import check_free_space
     from ...finite import require_finite
-    from ...ownership import record, remove_leftovers, temp_path
+    from ...rundir.ownership import record, remove_leftovers, temp_path
     from .gguf_file import check_values, file_bytes, write_file
 
     src = Path(target_gguf)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import blockdraft
 
-from ...locks import pid_alive
+from ...rundir.locks import pid_alive
 from .cores import BIND, cpu_binding, keep_on
 from .feed import STAND_IN, STOP_SIGNALS
 from .job import EngineFailed, EngineStopped, exit_reason, stated_cause
@@ -98,7 +98,7 @@ def check_engine_python(python: str, untested: bool = False) -> str | None:
 def prepare_spool(root: Path) -> Spool:
     """A spool directory for a new set of engines: a new or empty one, or one an earlier run of blockdraft
     made (its contents are only ever recomputable states, so they go)."""
-    from ...ownership import check_owned, write_marker
+    from ...rundir.ownership import check_owned, write_marker
 
     check_owned(root, OWNER)
     root.mkdir(parents=True, exist_ok=True)

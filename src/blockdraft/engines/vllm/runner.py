@@ -87,12 +87,12 @@ class VllmRunner(Runner):
 
     def extract(self, target_opts, data, opts, engine) -> str:
         from ...data.features import OWNER
-        from ...ownership import claim
+        from ...rundir.directory import RunDir
         from .extract import extract_with_vllm
 
         if opts.target_dtype != "auto":
             raise ValueError("extract --engine vllm runs the target at --dtype; drop --target-dtype")
-        with claim(opts.out, OWNER, lead=True):
+        with RunDir(opts.out, OWNER).claim():
             return extract_with_vllm(target_opts, data, opts, engine)
 
 

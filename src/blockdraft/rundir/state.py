@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..atomic import atomic_dir, recover_dir
+from .atomic import atomic_dir, recover_dir
 from ..finite import require_finite
 
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"

@@ -237,7 +237,7 @@ class Trackers:
                 state.pop(name)
                 self._failed(name, "could not start", e)
         if self.open:
-            from ..ownership import replace_text
+            from .ownership import replace_text
 
             replace_text(self.out / STATE, json.dumps(state, indent=1))
             atexit.register(self.close, flush=False)

@@ -1,4 +1,4 @@
-"""The run directory `blockdraft train --out` writes: owned (`ownership`), locked (`locks`).
+"""What a training run's directory holds (`RunDir` applies it): owned (`ownership`), locked (`locks`).
 
 Checked whole before any work: it holds only what a run writes (`LAYOUT`), every directory of it
 carrying train's marker, and no link. A run already there is continued only with --resume and
@@ -16,9 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..finite import dumps_finite
-from ..ownership import claim, leftovers, open_private, remove_leftovers, replace_text, write_marker
+from .ownership import claim, leftovers, open_private, remove_leftovers, replace_text, write_marker
 from .retention import BEST, BEST_JSON, KEPT, check_kept, newest
 from .state import STATE_JSON, STATE_TENSORS, read_meta
+from .trackers import DIRS as TRACKER_DIRS
+from .trackers import STATE as TRACKER_STATE
 
 CONFIG_FILE = "train_config.json"  # the run's own settings (trainer.py writes it, preflight.py reads it)
 
@@ -33,8 +35,8 @@ LAYOUT = {METRICS: None, CONFIG_FILE: None, SUMMARY: None, "loss.png": None, "sl
           "checkpoint": {STATE_JSON: None, STATE_TENSORS: None},
           KEPT: None,  # step-N directories (retention.check_kept)
           BEST: {"config.json": None, "model.safetensors": None, BEST_JSON: None},
-          # --report-to's stores (train.trackers), each the library's own
-          "trackers.json": None, "tensorboard": None, "trackio": None, "wandb": None, "mlruns": None}
+          # --report-to's stores (trackers), each the library's own
+          TRACKER_STATE: None, **{d: None for d in TRACKER_DIRS.values()}}
 
 
 def holds_run(out: str | os.PathLike) -> bool:

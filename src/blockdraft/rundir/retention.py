@@ -19,7 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..ownership import MARKER, is_temp, leftovers, owned_by, remove_leftovers_in, temp_path, write_marker
+from .ownership import MARKER, is_temp, leftovers, owned_by, remove_leftovers_in, temp_path, write_marker
 from .state import STATE_JSON, STATE_TENSORS, find_checkpoint
 
 OWNER = "train"

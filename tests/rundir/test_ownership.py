@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from blockdraft.atomic import atomic_dir
+from blockdraft.rundir.atomic import atomic_dir
 from blockdraft.checkpoint.native import save_drafter
 from blockdraft.cli import main
-from blockdraft.locks import host
-from blockdraft.ownership import MARKER, read_marker, temp_path
+from blockdraft.rundir.locks import host
+from blockdraft.rundir.ownership import MARKER, read_marker, temp_path
 from conftest import dead_pid, tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def test_a_swap_never_follows_or_removes_a_link_inside(tmp_path):
 
 KILLED_SWAP = """
 import os, signal, sys
-from blockdraft.atomic import atomic_dir
+from blockdraft.rundir.atomic import atomic_dir
 def write(d):
     (d / "x").write_text("half")
     os.kill(os.getpid(), signal.SIGKILL)
@@ -156,7 +156,7 @@ def test_train_never_writes_through_a_link_in_its_run(tmp_path, run, capsys, nam
 
 
 def test_a_metrics_line_is_never_written_through_a_link(tmp_path):
-    from blockdraft.train.rundir import append_metrics
+    from blockdraft.rundir.files import append_metrics
 
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")
@@ -304,7 +304,7 @@ def test_prompts_out_never_replaces_a_users_file_or_writes_through_a_link(tmp_pa
 def test_bench_json_and_plot_never_write_through_a_link_or_over_a_users_file(tmp_path, capsys, monkeypatch):
     import blockdraft.cli.commands as cli
     from blockdraft.bench.runner import check_outputs, plot_hist
-    from blockdraft.ownership import replace_text
+    from blockdraft.rundir.ownership import replace_text
 
     monkeypatch.setattr(cli, "_load_pair", lambda args: pytest.fail("the target loaded before --json was checked"))
     outside = tmp_path / "outside.txt"

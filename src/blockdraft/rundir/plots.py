@@ -8,7 +8,7 @@ from pathlib import Path
 
 def _save(fig, path: Path) -> None:
     """A PNG in a run directory, never written through a link there."""
-    from ..ownership import open_private
+    from .ownership import open_private
 
     with open_private(path, "wb") as f:
         fig.savefig(f, dpi=110, format="png")

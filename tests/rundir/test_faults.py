@@ -92,7 +92,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-# train killed at random points (kill -9) and resumed: tests/run/test_preempt_cli.py, with kept and best checkpoints
+# train killed at random points (kill -9) and resumed: tests/rundir/test_preempt_cli.py, with kept and best checkpoints
 
 
 @pytest.mark.slow
@@ -179,7 +179,7 @@ def test_a_full_disk_is_found_before_the_run_and_nothing_is_lost(tmp_path, tiny_
 def test_a_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
     """A save that fails midway (the disk filled up during the run) stops the run, says which
     checkpoint is kept, and that checkpoint still resumes."""
-    import blockdraft.train.state as state
+    import blockdraft.rundir.state as state
     from conftest import make
 
     tr = make(tmp_path, steps=6)

@@ -2,7 +2,7 @@
 (`data.features.extract` writes them), computed by transformers here (one rank per shard set under
 torchrun) or by vLLM engine replicas feeding a bounded spool (`engines.vllm`).
 
-    from blockdraft.train.extract import ExtractOptions, run_extract
+    from blockdraft.extract import ExtractOptions, run_extract
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.pipeline import DataOptions, conversation_rows
-from ..engines.vllm.engine_options import EngineOptions
-from ..options import opt
-from ..target import TargetOptions, pick_device, spread_kwargs
+from .data.pipeline import DataOptions, conversation_rows
+from .engines.vllm.engine_options import EngineOptions
+from .options import opt
+from .target import TargetOptions, pick_device, spread_kwargs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # "auto" is absent
 
@@ -50,13 +50,13 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
                 engine: EngineOptions | None = None) -> str:
     """`blockdraft extract`: --out claimed first (a new or empty directory or a cache extract wrote,
     locked by rank 0: ownership), then the shards; every rank writes its own."""
-    from ..data.features import OWNER
-    from ..ownership import claim
-    from .distributed import barrier, init_from_env
+    from .data.features import OWNER
+    from .rundir.directory import RunDir
+    from .train.distributed import barrier, init_from_env
 
-    from ..data.chat import use_template
+    from .data.chat import use_template
 
-    from ..engines.vllm.engine_options import check_engine_flags
+    from .engines.vllm.engine_options import check_engine_flags
 
     engine = engine or EngineOptions()
     check_engine_flags(engine, "extract")
@@ -64,22 +64,22 @@ def run_extract(target_opts: TargetOptions, data: DataOptions, opts: ExtractOpti
     if target_opts.target_fsdp:
         raise ValueError("extract splits its shards over the ranks, each running the whole target; --target-fsdp "
                          "is for training (drop it here, or extract with --target-device-map)")
-    from ..engines import runner
+    from .engines import runner
 
     elsewhere = runner(engine.engine)
     if not elsewhere.in_process:  # the engine's processes run the target: its own way to the shards
         return elsewhere.extract(target_opts, data, opts, engine)
     rank, world_size, device = init_from_env(pick_device(target_opts.device))
-    with claim(opts.out, OWNER, lead=rank == 0):
+    with RunDir(opts.out, OWNER).claim(lead=rank == 0):
         barrier()  # the other ranks write their shards once rank 0 owns the directory
         return _extract_with_transformers(target_opts, data, opts, rank, world_size, device)
 
 
 def _extract_with_transformers(target_opts: TargetOptions, data: DataOptions, opts: ExtractOptions, rank: int,
                                world_size: int, device: str) -> str:
-    from ..data.features import auto_shard_rows, extract, throughput
-    from ..target import TargetModel
-    from .distributed import barrier
+    from .data.features import auto_shard_rows, extract, throughput
+    from .target import TargetModel
+    from .train.distributed import barrier
 
     target = TargetModel.from_pretrained(target_opts.target, layer_ids=target_opts.layer_ids,
                                          num_features=target_opts.num_features, device=device,

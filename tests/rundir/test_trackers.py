@@ -22,7 +22,7 @@ def records(out: Path) -> list[dict]:
 
 
 def expected(out: Path) -> dict[int, dict[str, float]]:
-    from blockdraft.train.trackers import figures
+    from blockdraft.rundir.trackers import figures
 
     return {r["step"]: figures(r) for r in records(out)}
 
@@ -124,7 +124,7 @@ def test_every_tracker_holds_metrics_jsonl_and_the_settings_once_through_a_resum
     assert tb_settings == [settings]
     ml, params = read_mlflow(out)
     same(ml, want)
-    from blockdraft.train.trackers import flat_settings
+    from blockdraft.rundir.trackers import flat_settings
 
     assert params == flat_settings(settings)
     wb, wb_configs, ids = read_wandb(out)
@@ -139,7 +139,7 @@ def test_every_tracker_holds_metrics_jsonl_and_the_settings_once_through_a_resum
 
 
 def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    import blockdraft.train.trackers as trackers
+    import blockdraft.rundir.trackers as trackers
 
     class Broken:
         def __init__(self, *a):
@@ -167,7 +167,7 @@ def test_only_rank_0_reports(tmp_path):
 def test_report_to_is_a_flag_and_a_config_setting_alike(tmp_path):
     from blockdraft.cli import build_parser, train_config
     from blockdraft.train.preflight import RESUMABLE
-    from blockdraft.train.trackers import check_installed, parse_report_to
+    from blockdraft.rundir.trackers import check_installed, parse_report_to
 
     argv = ["train", "--report-to", "mlflow,tensorboard", "--report-required", "--out", str(tmp_path / "r")]
     args = build_parser().parse_args(argv)
@@ -186,7 +186,7 @@ def test_report_to_is_a_flag_and_a_config_setting_alike(tmp_path):
 
 
 def test_blockdraft_imports_no_tracker_library():
-    code = ("import sys, blockdraft.cli, blockdraft.train.trainer, blockdraft.train.trackers, blockdraft.train.run;"
+    code = ("import sys, blockdraft.cli, blockdraft.train.trainer, blockdraft.rundir.trackers, blockdraft.train.run;"
             "print([m for m in ('tensorboard', 'trackio', 'wandb', 'mlflow') if m in sys.modules])")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert got.strip() == "[]"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from blockdraft import locks
+from blockdraft.rundir import locks
 from blockdraft.cli import main
-from blockdraft.ownership import MARKER
+from blockdraft.rundir.ownership import MARKER
 from conftest import dead_pid
 from .test_ownership import TRAIN, one_line_error, tiny_drafter_dir
 
@@ -25,7 +25,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 HOLD = """
 import sys, time
-from blockdraft import locks
+from blockdraft.rundir import locks
 fd = locks.acquire(sys.argv[1], "holder")
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))
