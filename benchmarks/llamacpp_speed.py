@@ -76,7 +76,7 @@ def main() -> None:
 
     from blockdraft.data.eval_prompts import load_prompt_set
     from blockdraft.checkpoint import load_drafter
-    from blockdraft.checkpoint.native import export_gguf
+    from blockdraft.engines.exports import export_gguf
     from blockdraft.data.chat import encode_prompt
     from blockdraft.engines.llamacpp.server import find_server, serve, spec_type
     from blockdraft.target.files import load_tokenizer, resolve_target, target_gguf

@@ -28,8 +28,8 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from blockdraft.checkpoint.native import (CONFIG, DEFAULT_DRAFTER, WEIGHTS, convert, load_drafter,
-                                              read_config, save_drafter)
+    from blockdraft.checkpoint.native import CONFIG, DEFAULT_DRAFTER, WEIGHTS, load_drafter, read_config, save_drafter
+    from blockdraft.engines.exports import convert
     from blockdraft.target import TargetModel
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -284,7 +284,7 @@ SPEC_KEYS = ("num_layers", "block_size", "loss_fn", "per_position_loss_weight", 
 def score_speculators(a, result: dict) -> None:
     """Each speculators checkpoint through `convert` (to the native z-lab layout), then `evaluate`."""
     from blockdraft.checkpoint import load_drafter
-    from blockdraft.checkpoint.native import convert
+    from blockdraft.engines.exports import convert
     from blockdraft.target import TargetModel
 
     tr_rows, _, ev_rows, ev_feats = caches(Path(a.out))

@@ -134,7 +134,7 @@ def test_layer_ids_off_by_one_are_caught(setup, served, monkeypatch):
     stays lossless, and the agreement check fails it (on the first prompt of each set, as the kinds'
     faulty files: it needs to fail, not to be measured)."""
     import blockdraft.target as target_module
-    from blockdraft.checkpoint.native import export_gguf
+    from blockdraft.engines.exports import export_gguf
 
     binary, tmp, target, drafter, prompts, got = setup
     monkeypatch.setattr(target_module, "hidden_states_index", lambda L: L)
@@ -284,7 +284,7 @@ def test_kind_file_with_a_fault_fails_the_agreement_check(kinds, kind, fault, mo
     lossless; the slot agreement fails them."""
     import blockdraft.checkpoint.formats.gguf as fmt
     import blockdraft.target as target_module
-    from blockdraft.checkpoint.native import export_gguf
+    from blockdraft.engines.exports import export_gguf
 
     good = kinds.case(kind)["got"]
     d = kinds.drafters()[kind]

@@ -17,7 +17,7 @@ import torch
 from common import ANCHOR_CASES, CASES, KIND_CASES, TINY_V, B, W, save_target, smollm2_target, smollm2_variants, \
     threads, tiny_drafter, tiny_target
 
-from blockdraft.checkpoint.native import export_drafter
+from blockdraft.engines.exports import export_drafter
 from blockdraft.model import BlockLayout
 from blockdraft.model.blocks import block_input_ids
 from blockdraft.train import Batch, compute_loss

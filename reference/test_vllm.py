@@ -19,7 +19,8 @@ import torch
 from common import eval_prompts, smollm2_target, smollm2_variants, threads
 
 from blockdraft.data.chat import encode_prompt as encode
-from blockdraft.checkpoint.native import DEFAULT_DRAFTER, default_verifier, export_drafter
+from blockdraft.checkpoint.native import DEFAULT_DRAFTER, default_verifier
+from blockdraft.engines.exports import export_drafter
 from blockdraft.engines.vllm.job import run_job
 from blockdraft.generate import speculative_generate
 from blockdraft.target import stop_token_ids
@@ -185,7 +186,8 @@ def test_doctor_checks_the_acceptance_vllm_serves(setup):
 from common import B, KIND_CASES, save_target, tiny_drafter, tiny_target
 from common import CASES as TINY_CASES
 
-from blockdraft.checkpoint.formats.base import DFLASH2_FIELDS, KIND_V1_REFUSAL
+from blockdraft.checkpoint.formats.base import DFLASH2_FIELDS
+from blockdraft.engines.vllm.consumer import KIND_V1_REFUSAL
 from blockdraft.checkpoint.native import save_drafter
 
 # vLLM's method (speculators/base.py: dflash2 -> dflash); the last two: DFlash drafters (common.CASES)

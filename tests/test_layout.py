@@ -93,7 +93,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_reader_sees_imports_inside_functions_and_relative_ones():
     graph = imports()
     assert "blockdraft.engines" in graph["blockdraft.doctor"]  # `from . import engines` inside a function
-    assert "blockdraft.checkpoint.formats.base" in graph["blockdraft.engines.vllm.consumer"]  # `from ...checkpoint...`
+    # `from ...checkpoint...`, three levels up
+    assert "blockdraft.checkpoint.formats.gguf" in graph["blockdraft.engines.llamacpp.consumer"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -200,3 +201,29 @@ def test_a_runs_files_are_reached_through_rundir_only():
     assert behind == [], behind
     # the reader sees such an import (it would fail the test above if a command made one)
     assert "blockdraft.rundir.state" in imports()["blockdraft.rundir.directory"]
+
+
+# checkpoint.native's writers that do not ask the consumers: only engines.exports calls them
+UNASKED_WRITERS = {"write_export", "write_gguf", "convert_source"}
+
+
+def unasked_writes(tree: ast.AST) -> list[int]:
+    """Lines importing one of UNASKED_WRITERS from checkpoint.native."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("checkpoint.native"):
+            if {a.name for a in node.names} & UNASKED_WRITERS:
+                found.append(node.lineno)
+    return found
+
+
+def test_every_export_asks_the_consumers_first():
+    """A consumer's quirks live with the consumer (engines/), and a format's writer knows no engine: an
+    export reaches the writer only through engines.exports, which refuses what a server would serve
+    as another function."""
+    found = [f"{module_name(p)}:{line}" for p in ROOT.rglob("*.py") if module_name(p) != "blockdraft.engines.exports"
+             for line in unasked_writes(ast.parse(p.read_text()))]
+    assert found == [], found
+    assert unasked_writes(ast.parse("from ..checkpoint.native import load_drafter, write_gguf")) == [1]
+    formats_dir = ROOT / "checkpoint" / "formats"
+    assert not [p.name for p in formats_dir.glob("*.py") if "Difference" in p.read_text()]  # no record made there

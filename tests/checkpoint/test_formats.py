@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockdraft.checkpoint import load_drafter, save_drafter
-from blockdraft.checkpoint.native import convert, export_drafter
+from blockdraft.engines.exports import convert, export_drafter
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.train import Batch, compute_loss

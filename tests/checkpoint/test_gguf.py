@@ -20,7 +20,8 @@ from gguf import GGUFReader, GGUFWriter
 
 from blockdraft.checkpoint import load_drafter
 from blockdraft.checkpoint.formats import gguf as fmt
-from blockdraft.checkpoint.native import export_gguf
+from blockdraft.engines import format_differences
+from blockdraft.engines.exports import export_gguf
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.target.files import target_gguf
@@ -124,7 +125,7 @@ def tiny_cfg(**kw) -> DrafterConfig:
     (dict(num_layers=1, attention_bias=True), "attention biases"),
 ])
 def test_gguf_refuses_what_llamacpp_computes_otherwise(kw, says):
-    found = fmt.differences(tiny_cfg(**kw))
+    found = format_differences("gguf", tiny_cfg(**kw))
     assert found and all(d.refuse for d in found)
     assert any(says in d.what for d in found), found
 
@@ -137,7 +138,7 @@ def test_gguf_refuses_what_llamacpp_computes_otherwise(kw, says):
 ])
 def test_gguf_writes_what_llamacpp_computes_the_same(kw, causal):
     cfg = tiny_cfg(**kw)
-    assert fmt.differences(cfg) == []
+    assert format_differences("gguf", cfg) == []
     assert fmt.causal_flag(cfg) is causal
 
 
@@ -291,7 +292,7 @@ KILLED_GGUF = """
 import os, signal, sys
 from gguf import GGUFWriter
 from blockdraft.checkpoint import load_drafter
-from blockdraft.checkpoint.native import export_gguf
+from blockdraft.engines.exports import export_gguf
 def dying(self, *a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 GGUFWriter.write_tensors_to_file = dying
@@ -449,7 +450,7 @@ def test_gguf_refuses_a_dflash2_drafter_llamacpp_will_not_load(change, says, tmp
     cfg = kind_drafter("dflash2").config
     if "selector_top_k" in change:
         d = DFlashDrafter(dataclasses.replace(cfg, **change))
-        found = fmt.differences(d.config)
+        found = format_differences("gguf", d.config)
         c = d.config
         target = fake_target_gguf(tmp_path / "t.gguf", hidden=c.target_hidden_size, layers=c.target_num_layers,
                                   vocab=c.vocab_size)
@@ -459,7 +460,7 @@ def test_gguf_refuses_a_dflash2_drafter_llamacpp_will_not_load(change, says, tmp
     else:  # the config itself refuses it; a config changed after its checks still meets the writer's
         for k, v in change.items():
             setattr(cfg, k, v)
-        found = fmt.differences(cfg)
+        found = format_differences("gguf", cfg)
     assert found and all(d.refuse for d in found) and any(says in d.what for d in found), found
 
 
@@ -482,8 +483,8 @@ def test_gguf_refuses_a_kind_whose_target_transforms_its_logits(key, tmp_path):
 
 def test_dflash2_and_dspark_sizes_llamacpp_loads_are_written():
     cfg = kind_drafter("dflash2").config
-    assert fmt.differences(cfg) == []  # K = 4: 4 x 5 = 20 <= 32, 32 % 8 == 0
-    assert fmt.differences(kind_drafter("dspark").config) == []
+    assert format_differences("gguf", cfg) == []  # K = 4: 4 x 5 = 20 <= 32, 32 % 8 == 0
+    assert format_differences("gguf", kind_drafter("dspark").config) == []
 
 
 # ------------------------------------------------- what the llama.cpp wrapper reads and compares

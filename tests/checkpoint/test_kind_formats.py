@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from blockdraft.checkpoint import load_drafter, save_drafter
 from blockdraft.checkpoint.formats import config_from_json
 from blockdraft.checkpoint.formats.zlab import SPECFORGE_DSPARK
-from blockdraft.checkpoint.native import convert, export_drafter
+from blockdraft.engines.exports import convert, export_drafter
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.train import Batch, compute_loss
@@ -273,10 +273,11 @@ def test_differences_name_the_consumers_that_cannot_serve_a_kind():
     """None refuses the export (the engines that serve the kinds read these files); each names what
     the consumer does instead."""
     from blockdraft.checkpoint.formats import FORMATS
+    from blockdraft.engines import format_differences
 
     t = tiny_target("qwen3")
-    found = {(case, name): [(f.consumer, f.refuse, f.what) for f in fmt.differences(drafter(t, case).config)]
-             for case in ("dspark", "dflash2") for name, fmt in FORMATS.items()}
+    found = {(case, name): [(f.consumer, f.refuse, f.what) for f in format_differences(name, drafter(t, case).config)]
+             for case in ("dspark", "dflash2") for name in FORMATS}
     assert not any(refuse for diffs in found.values() for _, refuse, _ in diffs)
     consumers = {k: [c for c, _, _ in v] for k, v in found.items()}
     assert consumers == {("dspark", "zlab"): ["dflash", "SGLang", "vLLM"], ("dflash2", "zlab"): ["SGLang", "vLLM"],
@@ -286,6 +287,6 @@ def test_differences_name_the_consumers_that_cannot_serve_a_kind():
                if c == "vLLM")
     assert any("V1 does not support: DFlash candidate-head drafts" in w for c, _, w in found[("dflash2", "zlab")])
     d = drafter(t, "dflash2", draft_vocab_size=40)
-    assert [f.consumer for f in FORMATS["speculators"].differences(d.config)][0] == "speculators"
+    assert [f.consumer for f in format_differences("speculators", d.config)][0] == "speculators"
     plain = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4)).config
-    assert all(fmt.differences(plain) == [] for fmt in FORMATS.values())
+    assert all(format_differences(name, plain) == [] for name in FORMATS)

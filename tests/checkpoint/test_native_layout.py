@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from blockdraft.checkpoint import load_drafter, save_drafter
 from blockdraft.checkpoint.formats import Export, zlab
-from blockdraft.checkpoint.native import state_tensors, convert
+from blockdraft.checkpoint.native import state_tensors
+from blockdraft.engines.exports import convert
 from blockdraft.config import DrafterConfig
 from blockdraft.model import DFlashDrafter
 from blockdraft.train import Batch, compute_loss

@@ -28,7 +28,7 @@ from ..rundir.ownership import swapping
 from ..model import DFlashDrafter
 from ..target.files import head_rows
 from . import formats
-from .formats import Difference, Export
+from .formats import Export
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 SWAP_WAIT = 30.0  # seconds a read waits for a save swapping a new version of the directory in
@@ -198,65 +198,48 @@ def default_verifier(target_name: str | None) -> str | None:
     return None
 
 
-def export_drafter(drafter: DFlashDrafter, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
-                   allow_mismatch: bool = False) -> tuple[Path, list[Difference]]:
-    """Write `drafter` in format `to`. Returns the directory and the consumers that compute another
-    function from it; a serving engine among them is refused unless `allow_mismatch`."""
+def write_export(drafter: DFlashDrafter, dst: str | os.PathLike, to: str, *, verifier: str | None = None) -> Path:
+    """Write `drafter` in format `to`, as it is. What its consumers would compute from the files is
+    theirs to say: `engines.exports.export_drafter` asks them first and refuses for them."""
     fmt = formats.get(to)
     cfg = drafter.config
-    found = fmt.differences(cfg)
-    serving = [d for d in found if d.refuse]
-    if serving and not allow_mismatch:
-        raise ValueError(f"the {to} files would be served as another function: " + "; ".join(map(str, serving))
-                         + ". Retrain for the engine (e.g. --window-rule query) or pass --allow-mismatch")
     verifier = verifier or default_verifier(cfg.target_name)
     sd = state_tensors(drafter, None)
     rows = head_rows(verifier, sd["draft_vocab"]).to(sd["fc.weight"].dtype) if cfg.draft_vocab_size and verifier \
         else None
     ex = Export(verifier=verifier, head_rows=rows)
     out = fmt.write_config(cfg, ex)
-    return _write(dst, out, fmt.write_weights(sd, cfg, ex), "convert"), found
+    return _write(dst, out, fmt.write_weights(sd, cfg, ex), "convert")
 
 
-def export_gguf(drafter: DFlashDrafter, dst: str | os.PathLike, *, target_gguf: str | os.PathLike | None = None,
-                allow_mismatch: bool = False, overwrite: bool = False) -> tuple[Path, list[Difference]]:
-    """Write `drafter` as llama.cpp's DFlash GGUF file; `target_gguf` is the target file llama-server
-    loads (default: the embedded target's own GGUF). Refused where llama.cpp would compute another
-    function, unless `allow_mismatch`; an existing `dst` is refused unless `overwrite` and a
-    `blockdraft convert` wrote it."""
+def write_gguf(drafter: DFlashDrafter, dst: str | os.PathLike, *, target_gguf: str | os.PathLike | None = None,
+               overwrite: bool = False) -> Path:
+    """Write `drafter` as llama.cpp's DFlash GGUF file, as it is; `target_gguf` is the target file
+    llama-server loads (default: the embedded target's own GGUF). An existing `dst` is refused unless
+    `overwrite` and a `blockdraft convert` wrote it. `engines.exports.export_gguf` asks llama.cpp's
+    quirks first and refuses for it."""
     from ..target.files import target_gguf as find_target_gguf
     from .formats import gguf
 
     cfg = drafter.config
-    found = gguf.differences(cfg)
-    if found and not allow_mismatch:
-        raise ValueError("llama.cpp would serve this GGUF as another function: " + "; ".join(map(str, found))
-                         + ". Retrain for the engine or pass --allow-mismatch")
     target_gguf = target_gguf or find_target_gguf(cfg.target_name)
     if target_gguf is None:
         raise ValueError(f"the GGUF export copies the tokenizer from the target's GGUF (the file llama-server "
                          f"loads); pass --target-gguf FILE (the drafter was trained for {cfg.target_name!r})")
-    return gguf.write(state_tensors(drafter, None), cfg, dst, target_gguf, overwrite=overwrite), found
+    return gguf.write(state_tensors(drafter, None), cfg, dst, target_gguf, overwrite=overwrite)
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
-            allow_mismatch: bool = False, num_target_layers: int | None = None,
-            target_gguf: str | os.PathLike | None = None, overwrite: bool = False) -> tuple[Path, list[Difference]]:
-    """Rewrite a drafter directory in another format; the trained tensors are copied bit for bit.
-    One writer of `dst` at a time (`locks`); a directory is replaced only where convert wrote it,
-    a GGUF file only with `overwrite` (and where convert wrote it)."""
-    from ..rundir.locks import locked
-
+def convert_source(src: str | os.PathLike, dst: str | os.PathLike,
+                   num_target_layers: int | None = None) -> DFlashDrafter:
+    """The drafter `convert` rewrites, loaded in its stored dtype (the trained tensors are copied bit
+    for bit, never re-rounded), with the verifier a speculators config names; `dst` must be elsewhere.
+    `engines.exports.convert` writes it."""
     path = resolve_drafter(src)
     if Path(dst).resolve() == path.resolve():
         raise ValueError("the destination is the source directory; choose a new directory")
-    dtype = read_weights(path)["fc.weight"].dtype  # kept: the tensors are copied, not re-rounded
+    dtype = read_weights(path)["fc.weight"].dtype
     drafter = load_drafter(path, num_target_layers=num_target_layers, dtype=dtype)
     raw, _ = read_config(path, num_target_layers)
     if drafter.config.target_name is None and formats.detect(raw) == "speculators":
         drafter.config.target_name = raw["speculators_config"]["verifier"]["name_or_path"]
-    with locked(dst, "convert", lead=True):
-        if to == formats.GGUF:
-            return export_gguf(drafter, dst, target_gguf=target_gguf, allow_mismatch=allow_mismatch,
-                               overwrite=overwrite)
-        return export_drafter(drafter, dst, to, verifier=verifier, allow_mismatch=allow_mismatch)
+    return drafter

@@ -178,7 +178,8 @@ def cmd_extract(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from ..checkpoint.native import convert, read_config, resolve_drafter
+    from ..checkpoint.native import read_config, resolve_drafter
+    from ..engines.exports import convert
     from ..engines import servers
 
     path, found = convert(args.src, args.dst, args.to, verifier=args.verifier, allow_mismatch=args.allow_mismatch,

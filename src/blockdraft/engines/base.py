@@ -9,8 +9,9 @@ read in the release named in `release`:
 - which target architectures it can capture hidden states from (`capture`: a reader of an installed
   copy's source that falls back on a committed table; None when it runs the target with
   transformers, which hands out any layer's hidden states);
-- what it does with a given drafter config that the drafter's function does not say
-  (`differences`: the formats' records naming this engine; `refuse` ones would be another function).
+- what it does with a given drafter config, read from the files of a format, that the drafter's
+  function does not say (`quirks(format, config)`: its `Difference` records; `refuse` ones would be
+  another function, and `engines.exports` refuses to write those files unless told to go on).
 """
 
 from __future__ import annotations
@@ -20,14 +21,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint.formats import GGUF, Difference
 from ..config import DrafterConfig
 
 Capture = Callable[[], "tuple[frozenset[str], str]"]
 
 
+@dataclass(frozen=True)
+class Difference:
+    """What a consumer does with the exported files that the drafter's own function does not say:
+    `refuse` when a serving engine would compute another function (export stops unless told to
+    go on), otherwise a warning (a training framework's rule, a setting the engine needs)."""
+
+    consumer: str
+    refuse: bool
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.consumer}: {self.what}"
+
+
+# what an engine that windows each query from its own position does with an anchor-rule drafter
+ANCHOR_RULE_SERVED = ("windows each query from its own position (rule 'query'); this drafter was trained with the "
+                      "anchor rule, so its drafts differ once an anchor passes W - B + 1")
+
+
+def ignores_draft_vocab(cfg: DrafterConfig) -> str:
+    """What an engine that scores the target's full head does with a draft vocabulary (dflash, SGLang)."""
+    return (f"ignores d2t and lm_head.weight and scores the target's full head, not this drafter's "
+            f"{cfg.draft_vocab_size}-token draft vocabulary (output stays lossless; drafts may differ)")
+
+
 def _no_refusal(kind: str) -> str | None:
     return None
+
+
+def _no_quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -43,6 +72,7 @@ class Engine:
     capture_refused: str = ""  # what follows for a target it cannot capture
     capture_fix: str = ""
     installed_kind_refusal: Callable[[str], str | None] = _no_refusal  # what an installed copy says of a kind
+    quirks: Callable[[str, DrafterConfig], list[Difference]] = _no_quirks  # (format, config) -> its records
 
     def serves(self, kind: str) -> bool:
         return kind in self.kinds
@@ -51,10 +81,10 @@ class Engine:
         return fmt in self.formats
 
     def differences(self, cfg: DrafterConfig) -> list[Difference]:
-        """The records naming this engine, for `cfg`, in the formats it reads."""
+        """Its records for `cfg`, in the formats it reads (each once)."""
         out: list[Difference] = []
         for name in self.formats:
-            out += [d for d in format_differences(name, cfg) if d.consumer == self.name and d not in out]
+            out += [d for d in self.quirks(name, cfg) if d not in out]
         return out
 
     def captures(self, architectures: list[str]) -> tuple[bool, str]:
@@ -71,11 +101,6 @@ def architectures(target) -> list[str]:
     return list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
 
 
-def format_differences(fmt: str, cfg: DrafterConfig) -> list[Difference]:
-    from ..checkpoint import formats
-    from ..checkpoint.formats import gguf
-
-    return gguf.differences(cfg) if fmt == GGUF else formats.get(fmt).differences(cfg)
 
 
 def installed_tree(package: str, marker: str) -> Path | None:

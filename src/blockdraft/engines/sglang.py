@@ -28,7 +28,8 @@ import ast
 import sys
 from pathlib import Path
 
-from .base import Engine, installed_tree, installed_version
+from ..config import WINDOW_ANCHOR, DrafterConfig
+from .base import ANCHOR_RULE_SERVED, Difference, Engine, ignores_draft_vocab, installed_tree, installed_version
 
 CAPTURE_METHOD = "set_dflash_layers_to_capture"
 SGLANG_READ = "0.5.23"
@@ -235,12 +236,28 @@ def sglang_capture() -> tuple[frozenset[str], str]:
     return SGLANG_CAPTURE, f"sglang {SGLANG_READ} (read when blockdraft was written; SGLang is not installed here)"
 
 
+def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
+    """What SGLang does with the z-lab layout that the drafter's function does not say."""
+    if fmt != "zlab":
+        return []
+    out = []
+    if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_ANCHOR:
+        out.append(Difference("SGLang", True, ANCHOR_RULE_SERVED))
+    if cfg.draft_vocab_size:
+        out.append(Difference("SGLang", False, ignores_draft_vocab(cfg)))
+    if cfg.kind != "dflash":
+        out.append(Difference("SGLang", False, f"serves DFlash drafters only ({SGLANG_READ}): this {cfg.kind} "
+                                               "drafter's added modules would not run there"))
+    return out
+
+
 ENGINE = Engine(
     name="SGLang", release=f"SGLang {SGLANG_READ}", formats=("zlab",), kinds={"dflash": ""},
     refused_kinds={"dspark": "DFlash drafters only", "dflash2": "DFlash drafters only"},
     capture=sglang_capture, capture_rule=(CAPTURE_METHOD, f"its class lacks {CAPTURE_METHOD}"),
     capture_check="target capture (SGLang)", capture_refused="SGLang's DFlash worker refuses it",
     capture_fix="serve with another engine (vLLM, llama.cpp, blockdraft) or an SGLang that adds it",
+    quirks=quirks,
 )
 
 

@@ -6,11 +6,28 @@ transformers, so any target transformers loads can hand it hidden states.
 
 from __future__ import annotations
 
-from .base import Engine
+from ..config import WINDOW_QUERY, DrafterConfig
+from .base import Difference, Engine
 
 SPECULATORS_READ = "0.9.0"
 
+
+def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
+    """What speculators does with the speculators layout that the drafter's function does not say."""
+    if fmt != "speculators":
+        return []
+    out = []
+    if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_QUERY:
+        out.append(Difference("speculators", False, "trains and evaluates sliding layers with the anchor window "
+                                                    "(every slot sees a - W <= p < a); this drafter uses the "
+                                                    "query rule that vLLM serves"))
+    if cfg.kind == "dflash2" and cfg.draft_vocab_size:
+        out.append(Difference("speculators", False, "its DFlash2 requires the full target vocabulary "
+                                                    "(models/dflash2/core.py): this drafter has a draft vocabulary, "
+                                                    "so the export is refused"))
+    return out
+
 ENGINE = Engine(
     name="speculators", release=f"speculators {SPECULATORS_READ}", formats=("speculators",),
-    kinds={"dflash": "", "dspark": "", "dflash2": "full vocabulary only"},
+    kinds={"dflash": "", "dspark": "", "dflash2": "full vocabulary only"}, quirks=quirks,
 )

@@ -34,10 +34,11 @@ class RunDir:
 
     # ---------------------------------------------------------------- claiming
     @contextmanager
-    def claim(self, *, lead: bool = True, resume: bool = False, overwrite: bool = False):
+    def claim(self, *, lead: bool | None = None, resume: bool = False, overwrite: bool = False):
         """Own the directory for this command (checked, locked, marked; removed again when the
         command fails before writing). A training run also checks what a run already there allows
-        (--resume / --overwrite). `lead`: the process that writes it (rank 0)."""
+        (--resume / --overwrite). `lead`: whether this process writes it (default: rank 0 of a
+        torchrun job, or a process outside one; the other ranks run the block without claiming)."""
         if self.owner == files.OWNER:
             with claim(self.path, self.owner, layout=files.LAYOUT, lead=lead,
                        check=lambda p: files.check_existing(p, resume, overwrite)):

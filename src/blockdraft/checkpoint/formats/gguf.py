@@ -44,11 +44,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config import FULL, SLIDING, WINDOW_ANCHOR, DrafterConfig
-from .base import ANCHOR_RULE_SERVED, Difference
+from ...config import SLIDING, DrafterConfig
 
 ARCH = "dflash"
-CONSUMER = "llama.cpp"
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # what dflash.cpp's FFN accepts
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -84,39 +82,8 @@ def tensor_name(native: str) -> str:
 
 def causal_flag(cfg: DrafterConfig) -> bool:
     """llama.cpp's one `dflash.attention.causal` for this drafter (only meaningful when
-    `differences` refuses nothing): causal exactly when every layer is a causal sliding one."""
+    `engines.llamacpp.consumer.quirks` refuses nothing): causal exactly when every layer is a causal sliding one."""
     return cfg.has_sliding and cfg.sliding_causal_in_block and all(t == SLIDING for t in cfg.layer_types)
-
-
-def differences(cfg: DrafterConfig) -> list[Difference]:
-    """Where llama.cpp b11434 would compute another function from the GGUF (all refusals)."""
-    out = []
-
-    def refuse(what: str) -> None:
-        out.append(Difference(CONSUMER, True, what))
-
-    if cfg.attention_bias:
-        refuse("loads no attention biases (this drafter has q/k/v/o biases)")
-    if cfg.kind == "dflash2":  # dflash.cpp load_arch_tensors throws on these (lines 145-150)
-        H, g, K = cfg.hidden_size, cfg.conv_group_size, cfg.selector_top_k
-        if H % g:
-            refuse(f"needs the hidden size divisible by conv_group_size (this DFlash2 drafter: {H} and {g})")
-        if H < K * (K + 1):
-            refuse(f"packs each slot's {K} candidates and {K}x{K} selector scores into one hidden-wide row: "
-                   f"hidden size {H} < K(K+1) = {K * (K + 1)} (lower selector_top_k)")
-    if cfg.hidden_act not in ACTIVATIONS:
-        refuse(f"runs the FFN with silu or gelu only, not {cfg.hidden_act}")
-    types = set(cfg.layer_types)
-    if cfg.has_sliding:
-        if cfg.sliding_window_rule == WINDOW_ANCHOR:
-            refuse(ANCHOR_RULE_SERVED)
-        if FULL in types and cfg.sliding_causal_in_block:
-            refuse("sets one causality flag for all draft layers; this drafter has causal sliding and "
-                   "bidirectional full layers")
-        if not cfg.sliding_causal_in_block and cfg.sliding_window < cfg.block_size:
-            refuse(f"never masks block slots after the query, but this drafter's bidirectional "
-                   f"{cfg.sliding_window}-token window is narrower than its {cfg.block_size}-token block")
-    return out
 
 
 # ------------------------------------------------------------------------ the target's GGUF

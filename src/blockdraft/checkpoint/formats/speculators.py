@@ -19,11 +19,11 @@ their names.
 
 from __future__ import annotations
 
-from ...config import WINDOW_ANCHOR, WINDOW_QUERY, DrafterConfig
+from ...config import WINDOW_ANCHOR, DrafterConfig
 from ...target import hidden_states_index, layer_id_from_hidden_states_index
-from .base import (ANCHOR_RULE_SERVED, OWN_KEY, Difference, Export, Format, agree_kind, check_sample_from_anchor,
-                   dflash2_fields, dspark_fields, engine_head_weights, layer_kwargs, own_fields, qwen3_fields,
-                   read_dflash2, read_dspark, read_own, verifier_dir, vllm_kind, vllm_mixed_layers)
+from .base import (OWN_KEY, Export, Format, agree_kind, check_sample_from_anchor, dflash2_fields, dspark_fields,
+                   engine_head_weights, layer_kwargs, own_fields, qwen3_fields, read_dflash2, read_dspark, read_own,
+                   verifier_dir)
 
 # speculators_model_type -> the architectures speculators' config class writes, and what its
 # pydantic default reads a missing sample_from_anchor as (DSpark: true; models/dspark/config.py)
@@ -113,26 +113,5 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
                          mask_token_id=int(d["mask_token_id"]), block_size=B, **kw, **own)
 
 
-def differences(cfg: DrafterConfig) -> list[Difference]:
-    out = []
-    if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_QUERY:
-        out.append(Difference("speculators", False, "trains and evaluates sliding layers with the anchor window "
-                                                    "(every slot sees a - W <= p < a); this drafter uses the "
-                                                    "query rule that vLLM serves"))
-    if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_ANCHOR:
-        out.append(Difference("vLLM", True, ANCHOR_RULE_SERVED))
-    if cfg.kind == "dflash2" and cfg.draft_vocab_size:
-        out.append(Difference("speculators", False, "its DFlash2 requires the full target vocabulary "
-                                                    "(models/dflash2/core.py): this drafter has a draft vocabulary, "
-                                                    "so the export is refused"))
-    if cfg.kind == "dflash2":
-        out.append(Difference("llama.cpp", False, "its converter reads DFlash2's convolution and selector fields "
-                                                  "only from a z-lab config's dflash_config (conversion/qwen.py): "
-                                                  "convert --to zlab for that converter"))
-    return out + vllm_kind(cfg) + vllm_mixed_layers(cfg, "turns sliding_window_non_causal: false into "
-                                                         "dflash_config.causal for every layer, so the "
-                                                         "full-attention layers become causal")
-
-
 FORMAT = Format("speculators", "vllm-project/speculators layout: speculators, vLLM", matches, read_config,
-                write_config, write_weights, differences)
+                write_config, write_weights)

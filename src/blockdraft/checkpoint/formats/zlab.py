@@ -22,10 +22,10 @@ two copies disagree.
 
 from __future__ import annotations
 
-from ...config import SLIDING, WINDOW_ANCHOR, WINDOW_QUERY, DrafterConfig
-from .base import (ANCHOR_RULE_SERVED, DFLASH2_ARCH, DFLASH2_FIELDS, DSPARK_ARCHS, OWN_KEY, Difference, Export,
-                   Format, agree_kind, dflash2_fields, dspark_fields, engine_head_weights, layer_kwargs, own_fields,
-                   qwen3_fields, read_dflash2, read_dspark, read_own, vllm_kind, vllm_mixed_layers)
+from ...config import SLIDING, WINDOW_QUERY, DrafterConfig
+from .base import (DFLASH2_ARCH, DFLASH2_FIELDS, DSPARK_ARCHS, OWN_KEY, Export, Format, agree_kind, dflash2_fields,
+                   dspark_fields, engine_head_weights, layer_kwargs, own_fields, qwen3_fields, read_dflash2,
+                   read_dspark, read_own)
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": DFLASH2_ARCH}
 
@@ -138,26 +138,5 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
                          block_size=int(dc.get("block_size", d.get("block_size", 16))), **kw, **own)
 
 
-def differences(cfg: DrafterConfig) -> list[Difference]:
-    out = []
-    if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_ANCHOR:
-        out += [Difference(c, True, ANCHOR_RULE_SERVED) for c in ("dflash", "vLLM", "SGLang")]
-    if cfg.draft_vocab_size:
-        what = (f"ignores d2t and lm_head.weight and scores the target's full head, not this drafter's "
-                f"{cfg.draft_vocab_size}-token draft vocabulary (output stays lossless; drafts may differ)")
-        out += [Difference(c, False, what) for c in ("dflash", "SGLang")]
-    if cfg.kind == "dspark":  # z-lab's dflash 0.1.0 has DFlash and DFlash2 only (dflash/model.py, benchmark.py)
-        out.append(Difference("dflash", False, "has no DSpark: it loads this directory as a DFlashDraftModel and "
-                                               "drops markov_head.* and confidence_head.* as unexpected weights, so "
-                                               "it drafts the backbone's argmax without the Markov bias (output "
-                                               "stays lossless; drafts differ)"))
-    if cfg.kind != "dflash":
-        out.append(Difference("SGLang", False, f"serves DFlash drafters only (0.5.23): this {cfg.kind} drafter's "
-                                               "added modules would not run there"))
-    return out + vllm_kind(cfg) + vllm_mixed_layers(cfg, "has causal sliding and bidirectional full layers: "
-                                                         "vLLM 0.32's DFlash proposer sets one causal flag for all "
-                                                         "draft layers")
-
-
 FORMAT = Format("zlab", "z-lab layout: dflash, SGLang, vLLM (blockdraft's native layout)", matches, read_config,
-                write_config, write_weights, differences)
+                write_config, write_weights)

@@ -11,7 +11,9 @@ Running it (and comparing with blockdraft's drafter) is blockdraft.engines.llama
 from __future__ import annotations
 
 from ...checkpoint.formats import GGUF
-from ..base import Engine
+from ...checkpoint.formats.gguf import ACTIVATIONS
+from ...config import FULL, WINDOW_ANCHOR, DrafterConfig
+from ..base import ANCHOR_RULE_SERVED, Difference, Engine
 
 LLAMACPP_READ = "b11434"
 LLAMACPP_CAPTURE = frozenset((
@@ -38,6 +40,45 @@ def llamacpp_capture() -> tuple[frozenset[str], str]:
     return LLAMACPP_CAPTURE, f"llama.cpp {LLAMACPP_READ}'s source"
 
 
+def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
+    """Where llama.cpp b11434 computes another function from the GGUF (all refusals); for the
+    speculators layout, what its converter reads instead."""
+    if fmt == "speculators" and cfg.kind == "dflash2":
+        return [Difference("llama.cpp", False, "its converter reads DFlash2's convolution and selector fields "
+                                               "only from a z-lab config's dflash_config (conversion/qwen.py): "
+                                               "convert --to zlab for that converter")]
+    return gguf_refusals(cfg) if fmt == GGUF else []
+
+
+def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
+    out = []
+
+    def refuse(what: str) -> None:
+        out.append(Difference("llama.cpp", True, what))
+
+    if cfg.attention_bias:
+        refuse("loads no attention biases (this drafter has q/k/v/o biases)")
+    if cfg.kind == "dflash2":  # dflash.cpp load_arch_tensors throws on these (lines 145-150)
+        H, g, K = cfg.hidden_size, cfg.conv_group_size, cfg.selector_top_k
+        if H % g:
+            refuse(f"needs the hidden size divisible by conv_group_size (this DFlash2 drafter: {H} and {g})")
+        if H < K * (K + 1):
+            refuse(f"packs each slot's {K} candidates and {K}x{K} selector scores into one hidden-wide row: "
+                   f"hidden size {H} < K(K+1) = {K * (K + 1)} (lower selector_top_k)")
+    if cfg.hidden_act not in ACTIVATIONS:
+        refuse(f"runs the FFN with silu or gelu only, not {cfg.hidden_act}")
+    if cfg.has_sliding:
+        if cfg.sliding_window_rule == WINDOW_ANCHOR:
+            refuse(ANCHOR_RULE_SERVED)
+        if FULL in set(cfg.layer_types) and cfg.sliding_causal_in_block:
+            refuse("sets one causality flag for all draft layers; this drafter has causal sliding and "
+                   "bidirectional full layers")
+        if not cfg.sliding_causal_in_block and cfg.sliding_window < cfg.block_size:
+            refuse(f"never masks block slots after the query, but this drafter's bidirectional "
+                   f"{cfg.sliding_window}-token window is narrower than its {cfg.block_size}-token block")
+    return out
+
+
 ENGINE = Engine(
     name="llama.cpp", release=f"llama.cpp {LLAMACPP_READ}", formats=(GGUF,),
     kinds={kind: f"--spec-type {spec}" for kind, spec in SPEC_TYPES.items()},
@@ -45,4 +86,5 @@ ENGINE = Engine(
                                             "its graph does not record the layer inputs"),
     capture_check="target capture (llama.cpp)", capture_refused="llama-server cannot run its DFlash drafter",
     capture_fix="serve with another engine (vLLM, SGLang, blockdraft) or a llama.cpp that adds it",
+    quirks=quirks,
 )

@@ -11,7 +11,7 @@ def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
     import tempfile
 
     from ...data.eval_prompts import load_prompt_set
-    from ...checkpoint.native import export_gguf
+    from ..exports import export_gguf
     from ...data.chat import encode_prompt
     from .server import compare
 

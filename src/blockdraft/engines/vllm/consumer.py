@@ -17,8 +17,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ...checkpoint.formats.base import KIND_V1_REFUSAL
-from ..base import Engine, installed_tree, installed_version
+from ...config import WINDOW_ANCHOR, DrafterConfig
+from ..base import ANCHOR_RULE_SERVED, Difference, Engine, installed_tree, installed_version
 from .plugin import registry
 
 VLLM_READ = "0.32.0"
@@ -198,6 +198,35 @@ def installed_kind_refusal(kind: str) -> str | None:
     return f"the installed vLLM's V1 runner refuses it ({marker!r} in config/vllm.py)" if marker in text else None
 
 
+# vLLM 0.32 has DSpark's and DFlash2's proposers only in its V2 model runner (Triton); vLLM-CPU runs the
+# V1 runner, whose config check refuses both (config/vllm.py, _get_v1_model_runner_unsupported_features)
+KIND_V1_REFUSAL = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}
+# what its one causal setting does to a drafter of causal sliding and bidirectional full layers
+MIXED_CAUSAL = {"speculators": "turns sliding_window_non_causal: false into dflash_config.causal for every layer, so "
+                               "the full-attention layers become causal",
+                "zlab": "has causal sliding and bidirectional full layers: vLLM 0.32's DFlash proposer sets one "
+                        "causal flag for all draft layers"}
+
+
+def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
+    """What vLLM 0.32 does with the z-lab and speculators layouts that the drafter's function does not say."""
+    if fmt not in MIXED_CAUSAL:
+        return []
+    out = []
+    if cfg.has_sliding and cfg.sliding_window_rule == WINDOW_ANCHOR:
+        out.append(Difference("vLLM", True, ANCHOR_RULE_SERVED))
+    if cfg.kind in KIND_V1_REFUSAL:
+        out.append(Difference("vLLM", False, f"serves a {cfg.kind} drafter only with its V2 model runner (Triton: "
+                                             "a GPU); vLLM-CPU 0.32 runs the V1 runner, which refuses it at start "
+                                             f"(\"Model Runner V1 does not support: {KIND_V1_REFUSAL[cfg.kind]}\")"))
+    if len(set(cfg.layer_types)) > 1:
+        out.append(Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
+                                             "VLLM_USE_V2_MODEL_RUNNER=1 (which needs Triton: not on a CPU)"))
+        if cfg.sliding_causal_in_block:
+            out.append(Difference("vLLM", True, MIXED_CAUSAL[fmt]))
+    return out
+
+
 ENGINE = Engine(
     name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
     kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only"},
@@ -206,7 +235,7 @@ ENGINE = Engine(
     capture_refused="a drafter for it is served by blockdraft or z-lab's dflash, not by vLLM's DFlash proposer",
     capture_fix="train as usual (transformers, or --engine vllm where doctor's engine-features line says so); serve "
                 "with another engine or a vLLM that adds it",
-    installed_kind_refusal=installed_kind_refusal,
+    installed_kind_refusal=installed_kind_refusal, quirks=quirks,
 )
 
 

@@ -236,7 +236,8 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, 
 
 def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 96) -> dict:
     """vLLM serving this drafter (its z-lab export) on `ids` [1, P] against speculative_generate."""
-    from ...checkpoint.native import default_verifier, export_drafter
+    from ...checkpoint.native import default_verifier
+    from ..exports import export_drafter
     from ...generate import speculative_generate
     from ...target import stop_token_ids
 

@@ -92,7 +92,7 @@ class VllmRunner(Runner):
 
         if opts.target_dtype != "auto":
             raise ValueError("extract --engine vllm runs the target at --dtype; drop --target-dtype")
-        with RunDir(opts.out, OWNER).claim():
+        with RunDir(opts.out, OWNER).claim(lead=True):
             return extract_with_vllm(target_opts, data, opts, engine)
 
 
