@@ -85,7 +85,7 @@ def test_a_cache_from_engine_files_equals_the_transformers_cache(tmp_path, arch)
     engine_files(t, rows, d, ids)
     reader = StateReader(t, rows, final_norm_of(t.model), 4)
     extract(t, rows, tmp_path / "eng", shard_rows=2, progress=False, identity={"engine": "vllm"},
-            outputs=lambda idx: reader.assemble(idx, lambda seg: d / f"{segment_name(seg)}.safetensors"),
+            outputs=lambda idx: reader.assemble(idx, lambda seg: files_of(d, seg)),
             info={"engine_dtype": "float32", "quantization": None})
     a, b = DiskFeatures(tmp_path / "hf"), DiskFeatures(tmp_path / "eng")
     x, y = a(torch.arange(5)), b(torch.arange(5))
@@ -100,6 +100,14 @@ def test_a_cache_from_engine_files_equals_the_transformers_cache(tmp_path, arch)
     assert "engine_dtype" not in a.manifest
 
 
+def files_of(d, seg):
+    """A segment's states, read from its file as the spool's reader reads them."""
+    from blockdraft.engines.vllm.states import read_states
+
+    path = d / f"{segment_name(seg)}.safetensors"
+    return read_states(str(path)), path
+
+
 def test_engine_files_for_other_tokens_are_refused(tmp_path):
     t = tiny_target("llama", num_features=2)
     rows = tiny_rows(2)
@@ -107,8 +115,7 @@ def test_engine_files_for_other_tokens_are_refused(tmp_path):
     engine_files(t, rows, d, capture_ids(t.layer_ids, t.num_layers))
     other = dict(rows, input_ids=rows["input_ids"].roll(1, dims=1))
     with pytest.raises(ValueError, match="holds other tokens"):
-        StateReader(t, other, final_norm_of(t.model), 4).assemble(
-            torch.tensor([0]), lambda seg: d / f"{segment_name(seg)}.safetensors")
+        StateReader(t, other, final_norm_of(t.model), 4).assemble(torch.tensor([0]), lambda seg: files_of(d, seg))
 
 
 def test_a_target_vllm_cannot_capture_gets_one_line_naming_the_other_paths():

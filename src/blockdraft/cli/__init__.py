@@ -14,7 +14,7 @@ from .parsers import train_parser, build, train_config  # noqa: F401 (the packag
 from .commands import speed_settings  # noqa: F401
 
 COMMANDS = {"train": commands.cmd_train, "regenerate": commands.cmd_regenerate, "prompts": commands.cmd_prompts,
-            "extract": commands.cmd_extract, "convert": commands.cmd_convert, "doctor": commands.cmd_doctor,
+            "extract": commands.cmd_extract, "engine": commands.cmd_engine, "convert": commands.cmd_convert, "doctor": commands.cmd_doctor,
             "generate": commands.cmd_generate, "bench": commands.cmd_bench}
 
 

@@ -177,6 +177,15 @@ def cmd_extract(args) -> int:
     return 0
 
 
+def cmd_engine(args) -> int:
+    from ..engines.vllm.engine_options import EngineOptions
+    from ..engines.vllm.serve import ServerOptions, run_server
+    from ..options import from_args
+    from ..target import TargetOptions
+
+    return run_server(from_args(TargetOptions, args), from_args(ServerOptions, args), from_args(EngineOptions, args))
+
+
 def cmd_convert(args) -> int:
     from ..checkpoint.native import read_config, resolve_drafter
     from ..engines.exports import convert

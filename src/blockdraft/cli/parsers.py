@@ -142,6 +142,19 @@ def _add_extract(sub) -> None:
     add_options(x, EngineOptions, only=ENGINE_FLAGS)
 
 
+def _add_engine(sub) -> None:
+    from ..engines.vllm.engine_options import EngineOptions
+    from ..engines.vllm.serve import ENGINE_FLAGS, ServerOptions
+    from ..options import add_options
+    from ..target import TargetOptions
+
+    e = sub.add_parser("engine", help="run a vLLM server on this node for train --engine-endpoints on other nodes "
+                                      "(states through a Mooncake store)", formatter_class=FORMATTER)
+    add_options(e, TargetOptions, only=("target", "num_features", "layer_ids"))
+    add_options(e, ServerOptions)
+    add_options(e, EngineOptions, only=ENGINE_FLAGS)
+
+
 def _add_convert(sub) -> None:
     from ..checkpoint.formats import EXPORTS
 
@@ -244,6 +257,7 @@ def build() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_regenerate(sub)
     _add_extract(sub)
+    _add_engine(sub)
     _add_convert(sub)
     _add_doctor(sub)
     _add_generate(sub)

@@ -27,6 +27,7 @@ import torch
 from ...target import hidden_states_index
 from .launch import Engines
 from .spool import Request, Spool, item_key, state_bytes
+from .states import read_states
 
 
 def capture_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -112,11 +113,12 @@ class StateReader:
                              torch.zeros(n, L, dtype=torch.long))
 
     @torch.no_grad()
-    def assemble(self, idx, path_of) -> "StoredOutputs":  # noqa: F821 (data.features)
-        """The rows' outputs from the engine's files, each state copied once, from the mapped file into
-        these tensors (`states.read_states`); the padding's states are zeros."""
+    def assemble(self, idx, load) -> "StoredOutputs":  # noqa: F821 (data.features)
+        """The rows' outputs from the engine's states, each state copied once into these tensors; the
+        padding's states are zeros. `load(segment)`: (its states, where they came from), from a spool's
+        mapped file (`states.read_states`) or a Mooncake store (`remote`)."""
         from ...data.features import StoredOutputs, full_argmax
-        from .states import SCALES, dequantize, read_states
+        from .states import SCALES, dequantize
 
         n, L, H, F = len(idx), self.rows["input_ids"].shape[1], self.target.hidden_size, len(self.pick)
         dev, dt = self.target.device, self.target.dtype
@@ -130,8 +132,7 @@ class StateReader:
             if self.pad[r, s]:
                 feats[i, s:e], last[i, s:e] = 0, 0
                 continue
-            path = path_of(seg)
-            got = read_states(str(path))
+            got, path = load(seg)
             want = self.rows["input_ids"][r, s:e]
             if not torch.equal(got["token_ids"].to(want.dtype), want):
                 raise ValueError(f"{path} holds other tokens than row {r} [{s}:{e}]: the engine answered another "
@@ -185,9 +186,17 @@ class SpoolReader:
             nap = min(0.05, nap * 2)
         self.waited = getattr(self, "waited", 0.0) + time.monotonic() - t0
         d = self.spool.item_dir(req)
-        out = self.reader.assemble(idx, lambda seg: d / f"{segment_name(seg)}.safetensors")
+
+        def load(seg):
+            path = d / f"{segment_name(seg)}.safetensors"
+            return read_states(str(path)), path
+
+        out = self.reader.assemble(idx, load)
         self.spool.release(req)
         return out
+
+    def release(self, req: Request) -> None:
+        self.spool.release(req)
 
     def get(self, key: str, idx: torch.Tensor):
         return self.read(self.ask(key, idx), idx)
@@ -219,7 +228,7 @@ class OnlineFeatures:
         among every rank's items of its step and phase (1: a step's micro-batches; 0: what is read before
         them, such as an evaluation's batches). Anything asked and not read before is dropped."""
         for _, req in self._asked:
-            self.r.spool.release(req)
+            self.r.release(req)
         self._order, self._asked, self._phase = iter(order), deque(), phase
         self._top_up()
 

