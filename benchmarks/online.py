@@ -304,12 +304,51 @@ def shared(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
     return row
 
 
+LINKS_GBIT = (100, 200, 400)  # a trainer node's network link, Gb/s
+N_STATES = 6  # 5 feature layers and the last one: what a server puts into the store for every token
+
+
+def nodes(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
+    """Engines on nodes of their own (`blockdraft engine`), a trainer node of `gpus` training ranks reading
+    their states through a Mooncake store (`--engine-endpoints`), and the link the trainer node needs."""
+    from blockdraft.engines.vllm.engine_plan import GIB, smallest_engine
+    from blockdraft.plan import plan_run
+    from memory_plan import run_config
+
+    eng = next((e for sequences in (32, 8) for e in [smallest_engine(cfg, scheme=scheme, card_bytes=card * GIB,
+                                                                       gpus=gpus, max_length=max_length,
+                                                                       sequences=sequences)] if e), None)
+    hidden = int(getattr(cfg, "text_config", cfg).hidden_size)
+    per_token = {"bf16": N_STATES * hidden * 2 + 8, "fp8": N_STATES * hidden + 4 + 8}  # states, scale, token id
+    step_bytes = {k: gpus * STEP_TOKENS * v for k, v in per_token.items()}
+    row = {"mode": "separate nodes", "engine": eng.gib() if eng else None,
+           "states_gb_per_trainer_step": {k: round(v / 1e9, 2) for k, v in step_bytes.items()},
+           # below this step time the trainer node waits on its link, at each link speed
+           "link_bound_below_step_s": {f"{g} Gb/s": {k: round(v * 8 / (g * 1e9), 2) for k, v in step_bytes.items()}
+                                       for g in LINKS_GBIT}}
+    if eng is None:
+        row["verdict"] = (f"the engine alone needs more than one node of {gpus} x {card} GB (tensor parallel across "
+                          "nodes: not planned)")
+        return row
+    p = plan_run(cfg, run_config(trainer_flags(max_length, STEP_TOKENS)), world=gpus, cuda=True, torchrun=True,
+                 device_bytes=card * GIB)
+    replicas = gpus // eng.tp
+    row.update(engine_replicas_per_node=replicas, train_ranks=gpus, train_rank_gib=round(p.total / GIB, 1),
+               train_fits=p.fits(card),
+               verdict=f"each engine node: {replicas} server(s) of {eng.tp} GPUs (blockdraft engine {eng.flags()}"
+                       + (f" --data-parallel-size {replicas}" if replicas > 1 else "")
+                       + f"); each trainer node: {gpus} ranks (torchrun --nproc-per-node {gpus} ... --engine "
+                         "vllm --engine-endpoints URLS --mooncake-master HOST:PORT); engine nodes per trainer "
+                         "node: as many as keep up with its steps (not measured on a GPU)")
+    return row
+
+
 def plans(card_gib=(80, 96, 141), gpus: int = 8, max_length: int = 4096) -> list[dict]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     out = []
     for name, (cfg, scheme) in target_configs().items():
         for card in card_gib:
-            for split in (separate, shared):
+            for split in (separate, shared, nodes):
                 out.append({"target": name, "card_gb": card, "gpus": gpus, **split(cfg, scheme, card, gpus, max_length),
                             "source": "plan (estimate, no GPU ran it)"})
     return out

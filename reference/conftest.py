@@ -13,6 +13,9 @@ import pytest
 SMOLLM2_LAYERS = [1, 8, 14, 21, 27]  # SmolLM2 has 30 layers: vLLM is asked for ids 2, 9, 15, 22, 28 and 30
 SMOLLM2_LENGTH = 384
 SMOLLM2_REPLICAS = 2  # --data-parallel-size of the shared engine
+# the flags every train and extract of these files share
+SMOLLM2_COMMON = ["--max-length", str(SMOLLM2_LENGTH), "--layer-ids", ",".join(map(str, SMOLLM2_LAYERS)),
+                  "--threads", "2"]
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +38,29 @@ def smollm2_engine(tmp_path_factory):
     engines.wait_ready()
     yield root
     engines.stop(remove=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_data(tmp_path_factory, smollm2_engine):
+    """Training and held-out conversations (bundled, no evaluation prompt), and their caches written by
+    `extract --engine vllm` through the shared engine: the offline side of every online comparison."""
+    import gzip
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    tmp = tmp_path_factory.mktemp("online")
+    with gzip.open(root / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
+        lines = [next(fh) for _ in range(28)]
+    (tmp / "train.jsonl").write_text("".join(lines[:24]))
+    (tmp / "held.jsonl").write_text("".join(lines[24:]))
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    for name in ("train", "held"):
+        argv = [sys.executable, "-m", "blockdraft", "extract", "--engine", "vllm", "--spool", str(smollm2_engine),
+                "--data", str(tmp / f"{name}.jsonl"), *SMOLLM2_COMMON, "--out", str(tmp / f"cache-{name}")]
+        log = tmp / f"extract-{name}.log"
+        with open(log, "w") as fh:
+            rc = subprocess.run(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=1800).returncode
+        assert rc == 0, f"extract exited {rc}:\n" + log.read_text()[-4000:]
+    return tmp

@@ -13,7 +13,6 @@ run fed by the two replicas, so both layouts train alike.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from common import threads
-from conftest import SMOLLM2_LAYERS, SMOLLM2_LENGTH
+from conftest import SMOLLM2_COMMON, SMOLLM2_LENGTH
 
 pytest.importorskip("vllm")
 threads()
@@ -62,22 +61,12 @@ def record(**figures) -> None:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory, smollm2_engine):
-    """Training and held-out conversations (bundled, no evaluation prompt), and their caches written
-    by `extract --engine vllm` through the shared engine."""
-    tmp = tmp_path_factory.mktemp("online")
-    with gzip.open(ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
-        lines = [next(fh) for _ in range(28)]
-    (tmp / "train.jsonl").write_text("".join(lines[:24]))
-    (tmp / "held.jsonl").write_text("".join(lines[24:]))
-    for name in ("train", "held"):
-        run(["-m", "blockdraft", "extract", "--engine", "vllm", "--spool", str(smollm2_engine), "--data",
-             str(tmp / f"{name}.jsonl"), *COMMON, "--out", str(tmp / f"cache-{name}")],
-            tmp / f"extract-{name}.log", python=sys.executable)
-    return tmp
+def data(smollm2_data):
+    """Training and held-out conversations, and their caches (conftest.py: shared with the nodes' tests)."""
+    return smollm2_data
 
 
-COMMON = ["--max-length", str(L), "--layer-ids", ",".join(map(str, SMOLLM2_LAYERS)), "--threads", "2"]
+COMMON = SMOLLM2_COMMON
 TRAIN = ["--batch-tokens", str(L), "--max-anchors", "32", "--eval-every", "2", "--max-rows", "0", "--lr", "3e-3",
          "--warmup", "1", "--no-progress", "--draft-vocab", "2048"]
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("hs_connectors")
-pytest.importorskip("mooncake.store")
+if not os.environ.get("BLOCKDRAFT_REQUIRE_MOONCAKE"):  # CI runs them always; elsewhere they need the system's
+    pytest.importorskip("hs_connectors")           # libibverbs.so.1 (Debian: libibverbs1) for Mooncake's import
+    pytest.importorskip("mooncake.store")
 
 from safetensors.torch import save_file  # noqa: E402
 

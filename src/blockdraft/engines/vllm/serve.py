@@ -51,7 +51,8 @@ def server_command(target_dir: str, aux_ids: list[int], architectures: list[str]
                 "global_segment_size": int(server.segment_gib * 2**30), "local_buffer_size": 256 << 20}
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}}
-    dtype = engine.engine_dtype if engine.engine_dtype != "auto" else None
+    # auto: the checkpoint's own on a GPU; fp32 on a CPU, as every CPU engine of blockdraft's runs
+    dtype = engine.engine_dtype if engine.engine_dtype != "auto" else (None if gpu_here() else "float32")
     argv = [python or engine.engine_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(target_dir), "--host", server.host, "--port", str(server.port),
             "--max-model-len", str(server.max_model_len), "--seed", "0", "--no-enable-prefix-caching",
@@ -60,7 +61,13 @@ def server_command(target_dir: str, aux_ids: list[int], architectures: list[str]
     argv += ["--dtype", dtype] if dtype else []
     argv += ["--data-parallel-size", str(engine.data_parallel_size)] if engine.data_parallel_size > 1 else []
     argv += ["--enable-expert-parallel"] if engine.expert_parallel else []
-    argv += ["--gpu-memory-utilization", str(engine.engine_memory)] if engine.engine_memory else []
+    if engine.engine_memory:
+        argv += ["--gpu-memory-utilization", str(engine.engine_memory)]
+    elif not gpu_here():  # a CPU server: its KV space in bytes, checked against the memory available now
+        from .engine_options import cpu_kv_bytes
+
+        itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+        argv += ["--kv-cache-memory-bytes", str(cpu_kv_bytes(target_dir, server.max_model_len, len(aux_ids), itemsize))]
     argv += ["--quantization", engine.quantization] if engine.quantization else []
     argv += ["--enforce-eager"] if engine.engine_eager else []
     pkg = plugin_path(cache_dir() / "engine")
@@ -107,6 +114,12 @@ def run_server(target_opts, server: ServerOptions, engine) -> int:
     if server.print_only:
         return 0
     return subprocess.run(argv, env={**os.environ, **env}).returncode
+
+
+def gpu_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def describe(argv: list[str], env: dict) -> str:
