@@ -273,3 +273,36 @@ def test_the_engine_command_runs_vllms_server_with_the_runs_layers_and_the_conne
     assert "--no-enable-prefix-caching" in argv and arg["--tensor-parallel-size"] == "8"
     assert "--enable-expert-parallel" in argv and arg["--port"] == "8123"
     assert json.loads(env["BLOCKDRAFT_VLLM_PLUGIN"]) == {"architectures": ["Glm4MoeForCausalLM"]}
+
+
+def test_a_listed_server_that_never_answers_is_taken_out_once_another_has():
+    """A dead server in --engine-endpoints never holds a run back (a resumed run still lists one that
+    died): once one server answers the others get a grace period; none answering is one line."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"data": [{"id": "m"}]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    alive, dead = f"http://127.0.0.1:{server.server_address[1]}", f"http://127.0.0.1:{free_port()}"
+    try:
+        s = Servers([dead, alive], timeout_s=5)
+        t0 = time.monotonic()
+        s.connect(wait_s=600, grace_s=1)
+        assert time.monotonic() - t0 < 30 and s.model == {alive: "m"} and dead in s.out
+        assert s.pick() == alive
+        with pytest.raises(EngineFailed, match="did not answer") as e:
+            Servers([dead], timeout_s=5).connect(wait_s=1)
+        assert "\n" not in str(e.value) and dead in str(e.value)
+    finally:
+        server.shutdown()

@@ -59,23 +59,29 @@ class Servers:
         self.served = {u: {"items": 0, "tokens": 0} for u in urls}
         self._next, self._lock = 0, threading.Lock()
 
-    def connect(self, wait_s: float) -> None:
-        """Each server's model, waiting up to `wait_s` for servers still starting; one line naming those
-        that never answered."""
-        deadline = time.monotonic() + wait_s
-        why: dict[str, str] = {}
-        for u in self.urls:
-            while u not in self.model:
+    def connect(self, wait_s: float, grace_s: float = 60.0) -> None:
+        """Each server's model, waiting up to `wait_s` for servers still starting. Once one answers, the
+        others get `grace_s` more, then are taken out (a warning each): a dead server in the list never
+        holds the run back. One line naming each when none answers."""
+        deadline, why = time.monotonic() + wait_s, {}
+        while True:
+            for u in self.urls:
+                if u in self.model:
+                    continue
                 try:
-                    self.model[u] = _get(f"{u}/v1/models", timeout=self.timeout_s)["data"][0]["id"]
-                except (OSError, ValueError, KeyError, IndexError) as e:
-                    why[u] = str(getattr(e, "reason", None) or e)
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(1.0)
-        missing = [u for u in self.urls if u not in self.model]
-        if missing:
-            raise EngineFailed("the engine servers did not answer: " + "; ".join(f"{u} ({why[u]})" for u in missing))
+                    self.model[u] = _get(f"{u}/v1/models", timeout=min(self.timeout_s, 30.0))["data"][0]["id"]
+                except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException) as e:
+                    why[u] = str(getattr(e, "reason", None) or e) or type(e).__name__
+            if len(self.model) == len(self.urls) or time.monotonic() > deadline:
+                break
+            if self.model:
+                deadline = min(deadline, time.monotonic() + grace_s)
+            time.sleep(1.0)
+        if not self.model:
+            raise EngineFailed("the engine servers did not answer: " + "; ".join(f"{u} ({why[u]})" for u in self.urls))
+        for u in self.urls:
+            if u not in self.model:
+                self.take_out(u, f"it did not answer at the start: {why[u]}")
 
     def pick(self) -> str:
         with self._lock:
