@@ -259,7 +259,8 @@ def test_the_engine_command_runs_vllms_server_with_the_runs_layers_and_the_conne
 
     argv, env = server_command("/m", [2, 9, 30], ["Glm4MoeForCausalLM"],
                                ServerOptions(mooncake_master="10.0.0.1:50051", port=8123, advertise="node7"),
-                               EngineOptions(engine="vllm", tensor_parallel_size=8, expert_parallel=True), "py")
+                               EngineOptions(engine="vllm", tensor_parallel_size=8, expert_parallel=True,
+                                             engine_memory=0.85), "py")
     assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     arg = dict(zip(argv, argv[1:]))
     spec = json.loads(arg["--speculative-config"])
@@ -272,6 +273,7 @@ def test_the_engine_command_runs_vllms_server_with_the_runs_layers_and_the_conne
     assert mc["master_server_address"] == "10.0.0.1:50051" and mc["local_hostname"] == "node7"
     assert "--no-enable-prefix-caching" in argv and arg["--tensor-parallel-size"] == "8"
     assert "--enable-expert-parallel" in argv and arg["--port"] == "8123"
+    assert arg["--gpu-memory-utilization"] == "0.85"
     assert json.loads(env["BLOCKDRAFT_VLLM_PLUGIN"]) == {"architectures": ["Glm4MoeForCausalLM"]}
 
 

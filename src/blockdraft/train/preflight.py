@@ -25,7 +25,9 @@ RESUMABLE = {
     # where and how the engine runs, not what it computes (its dtype, quantization and states precision are)
     "engine": {"tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "data_parallel_size",
                "engine_memory", "engine_gpus", "share_gpus", "engine_eager", "engine_start_min", "engine_stall_min",
-               "engine_untested", "engine_python", "spool", "spool_gib"},
+               "engine_untested", "engine_python", "spool", "spool_gib",
+               # engines on other nodes: after a node is lost, the resumed run lists the servers it has
+               "engine_endpoints", "mooncake_master", "store_gib"},
 }
 
 

@@ -154,7 +154,7 @@ def start_remote(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
 
     train_f = StopGuard(OnlineFeatures(reader(train_rows, ""), lookahead=LOOKAHEAD))
     eval_f = StopGuard(OnlineFeatures(reader(eval_rows, "e"), lookahead=LOOKAHEAD)) if eval_rows is not None else None
-    served = [{"endpoint": u, "model": servers.model[u]} for u in servers.urls]
+    served = [{"endpoint": u, "model": servers.model.get(u), "out": servers.out.get(u)} for u in servers.urls]
     return Online(RemoteEngines(servers, readers, store), train_f, eval_f, served)
 
 
