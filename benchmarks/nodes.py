@@ -134,7 +134,7 @@ def train_both(steps: int) -> dict:
         (tmp / "train.jsonl").write_text("".join(next(fh) for _ in range(48)))
     common = ["-m", "blockdraft", "train", "--max-length", "384", "--layer-ids", "1,8,14,21,27", "--threads", "1",
               "--batch-tokens", "384", "--max-anchors", "32", "--max-rows", "0", "--draft-vocab", "2048", "--no-progress",
-              "--steps", str(steps), "--eval-every", "0", "--data", str(tmp / "train.jsonl")]
+              "--steps", str(steps), "--eval-every", "1000", "--data", str(tmp / "train.jsonl")]
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     res: dict = {}
