@@ -152,7 +152,7 @@ def train_both(steps: int) -> dict:
             urls.append(f"http://127.0.0.1:{port}")
         runs = {"remote": ["--engine", "vllm", "--engine-endpoints", ",".join(urls), "--mooncake-master", master,
                            "--store-gib", "0.25"],
-                "local": ["--engine", "vllm", "--engine-python", vpy, "--data-parallel-size", "2", "--engine-eager"]}
+                "local": ["--engine", "vllm", "--engine-python", vpy, "--data-parallel-size", "2"]}  # compiled, as the servers
         for name, extra in runs.items():
             out = tmp / name
             with open(tmp / f"{name}.log", "w") as fh:
