@@ -16,6 +16,20 @@ import torch
 from safetensors.torch import save_file
 
 
+def document_states(model, last_layer, n: int, ids: list[int], aux: list[int]) -> torch.Tensor:
+    """What vLLM's hidden-states connector stores for one document, from transformers' model run on it
+    alone: the state entering each asked layer k < n (transformers' `hidden_states[k]`) and, for k = n,
+    the last layer's output before the final norm (read by a hook on `last_layer`). [T, k, H]."""
+    last = {}
+    hook = last_layer.register_forward_hook(lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    return torch.stack([hs[k][0] if k < n else last["h"][0] for k in aux], dim=1).contiguous()
+
+
 class TransformersCapturer:
     def __init__(self, job: dict):
         from transformers import AutoModelForCausalLM
@@ -57,14 +71,7 @@ class TransformersCapturer:
             fail = os.environ.get("STUB_FAIL_AFTER")
             if fail is not None and self.done >= int(fail):
                 raise RuntimeError("the stand-in engine was told to fail here")
-            last = {}
-            hook = self.model.model.layers[-1].register_forward_hook(
-                lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
-            try:
-                hs = self.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-            finally:
-                hook.remove()
-            states = torch.stack([hs[k][0] if k < self.n else last["h"][0] for k in self.ids], dim=1)
+            states = document_states(self.model, self.model.model.layers[-1], self.n, ids, self.ids)
             path = self.dir / f"doc-{os.getpid()}-{self.done}.safetensors"
             if self.job.get("states") == "fp8":  # what blockdraft's connector writes under --engine-states fp8
                 from blockdraft.engines.vllm.states import write_states

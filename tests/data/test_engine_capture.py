@@ -15,6 +15,7 @@ from blockdraft.engines.vllm.capture import StateReader, capture_ids, check_can_
 from blockdraft.engines.vllm.feed import engine_kwargs
 from blockdraft.target import final_norm_of
 from conftest import tiny_rows, tiny_target
+from engine_stub import document_states
 
 
 def test_the_engine_is_asked_for_the_inputs_of_the_next_layers_and_the_last_output():
@@ -60,19 +61,12 @@ def engine_files(target, rows, directory, ids):
     """What vLLM writes per document: the state entering each asked layer k (transformers'
     hidden_states[k] for k < n) and, for k = n, the last layer's output before the final norm."""
     directory.mkdir(parents=True, exist_ok=True)
-    model, n = target.model, target.num_layers
-    last = {}
-    hook = target._layers[n - 1].register_forward_hook(lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
-    try:
-        for r, s, e in segments(rows, range(rows["input_ids"].shape[0])):
-            tok = rows["input_ids"][r, s:e]
-            with torch.no_grad():
-                hs = model(tok[None], output_hidden_states=True).hidden_states
-            states = torch.stack([hs[k][0] if k < n else last["h"][0] for k in ids], dim=1)  # [T, k, Ht]
-            save_file({"hidden_states": states.contiguous(), "token_ids": tok.clone()},
-                      str(directory / f"{segment_name((r, s, e))}.safetensors"))
-    finally:
-        hook.remove()
+    n = target.num_layers
+    for r, s, e in segments(rows, range(rows["input_ids"].shape[0])):
+        tok = rows["input_ids"][r, s:e]
+        states = document_states(target.model, target._layers[n - 1], n, tok.tolist(), ids)  # [T, k, Ht]
+        save_file({"hidden_states": states, "token_ids": tok.clone()},
+                  str(directory / f"{segment_name((r, s, e))}.safetensors"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: a (1 + w) final norm and soft-capping

@@ -25,19 +25,7 @@ from safetensors.torch import load_file
 from blockdraft.engines.vllm.remote import local_puts
 from blockdraft.engines.vllm.states import AUX_KEY
 from conftest import tiny_target
-
-
-def states_of(target, ids: list[int], aux: list[int]) -> torch.Tensor:
-    """What vLLM's connector stores for one document: the input of each asked layer k (transformers'
-    hidden_states[k]) and, for k = n, the last layer's output before the final norm. [T, k, H]."""
-    n, last = target.num_layers, {}
-    hook = target._layers[n - 1].register_forward_hook(lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
-    try:
-        with torch.no_grad():
-            hs = target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    finally:
-        hook.remove()
-    return torch.stack([hs[k][0] if k < n else last["h"][0] for k in aux], dim=1).contiguous()
+from engine_stub import document_states
 
 
 def main(path: str) -> None:
@@ -59,7 +47,8 @@ def main(path: str) -> None:
             if job["dies_after"] is not None and state["answered"] >= job["dies_after"]:
                 os._exit(1)  # a server that dies, and the store's segment on its node with it
             state["answered"] += 1
-            states, tok = states_of(target, ids, job["aux"]), torch.tensor(ids)
+            n = target.num_layers
+            states, tok = document_states(target.model, target._layers[n - 1], n, ids, job["aux"]), torch.tensor(ids)
             spec, total = packed_layout({"hidden_states": (list(states.shape), states.dtype),
                                          "token_ids": (list(tok.shape), tok.dtype)})
             handle = f"cmpl-{request_id}-0-abc".replace(".", "_")

@@ -58,9 +58,6 @@ class RunDir:
         """Room for `what` on the output's file system, found before the work that writes it."""
         check_free_space(self.path, need_bytes, what)  # the nearest existing directory's file system
 
-    def holds_run(self) -> bool:
-        return files.holds_run(self.path)
-
     def clear(self) -> None:
         """--overwrite: the earlier run's files removed (all checked to be this command's)."""
         files.clear_run(self.path)

@@ -21,6 +21,7 @@ behind a router or be vLLM's own data parallel: any server that answers is as go
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import threading
@@ -178,10 +179,14 @@ class Store:
         except RuntimeError as e:
             raise SampleLost(str(e)) from None
         try:
-            self.store.delete_sample(manifest["handle"])
+            self.drop(manifest["handle"])
         except RuntimeError as e:
             raise SampleLost(str(e)) from None
         return got
+
+    def drop(self, handle: str) -> None:
+        """A document's states and its error marker removed (a missing one is not an error)."""
+        self.store.delete_sample(handle)
 
 
 class LocalPuts:
@@ -239,7 +244,7 @@ class RemoteReader:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="blockdraft-remote")
         self.pending: deque[Asked] = deque()
         self.in_flight = self.peak = 0  # bytes asked of the servers and not yet read
-        self._n = 0
+        self._ids = itertools.count(1)  # each request's own id (the worker threads share it)
         store.clear(f"cmpl-{KEY_PREFIX}{client}-")
 
     def ask(self, key: str, idx: torch.Tensor) -> Asked:
@@ -264,9 +269,8 @@ class RemoteReader:
     def _fetch(self, name: str, ids: list[int]) -> dict:
         deadline = time.monotonic() + self.stall_s
         while True:
-            self._n += 1
             try:
-                url, manifest = self.servers.capture(f"{KEY_PREFIX}{self.client}-{name}-{self._n}", ids)
+                url, manifest = self.servers.capture(f"{KEY_PREFIX}{self.client}-{name}-{next(self._ids)}", ids)
             except EngineFailed:
                 self.store.check_master()  # servers that fail because the store did: the store is named
                 raise
@@ -274,7 +278,7 @@ class RemoteReader:
             try:
                 return self.store.take(manifest)
             except StoreRefused as e:
-                self.store.store.delete_sample(manifest["handle"])
+                self.store.drop(manifest["handle"])
                 if time.monotonic() > deadline:
                     raise EngineFailed(f"the engine servers could not store states for {self.stall_s / 60:.0f} "
                                        f"minutes ({e}); the Mooncake store is full or failing") from None
@@ -293,6 +297,8 @@ class RemoteReader:
         t0 = time.monotonic()
         got = {name: f.result() for (name, _), f in zip(a.docs, a.futures)}
         self.waited = getattr(self, "waited", 0.0) + time.monotonic() - t0
+        from .capture import segment_name
+
         out = self.reader.assemble(idx, lambda seg: (got[segment_name(seg)], f"{a.key}/{segment_name(seg)}"))
         self.in_flight -= a.nbytes
         self._pump()
@@ -312,12 +318,6 @@ class RemoteReader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def segment_name(seg) -> str:
-    from .capture import segment_name as name
-
-    return name(seg)
 
 
 def check_manifest(manifest: dict, aux_ids: list[int], tokens: int) -> None:
@@ -347,10 +347,6 @@ class RemoteEngines:
 
     def __init__(self, servers: Servers, readers: list, store: Store):
         self.servers, self.readers, self.store = servers, readers, store
-        self.replicas = []
-
-    def check(self) -> None:
-        pass
 
     def stop(self, remove: bool = False, timeout: float = 0.0) -> list[dict]:
         peak = max((r.peak for r in self.readers), default=0)
