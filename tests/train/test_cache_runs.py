@@ -74,15 +74,19 @@ def test_extract_runs_the_target_at_target_dtype(tmp_path, tiny_dir, split):
 
 def test_a_held_out_cache_evaluates_as_the_online_held_out_file(tmp_path, tiny_dir, split, capsys):
     """train --features-cache A --eval-features-cache B trains on every row of A and evaluates on B:
-    its losses and held-out tau equal the run that reads A's and B's conversations online."""
+    its losses and held-out tau equal the run that reads A's and B's conversations online. The cached
+    run takes its row length from A (issue 50, item 7)."""
     train, held = split
     for name, path in (("a", train), ("b", held)):
         assert main(["extract", "--target", tiny_dir, "--data", str(path), "--out", str(tmp_path / name),
                      "--dtype", "float32", *ARGS]) == 0
     assert main(["train", "--target", tiny_dir, "--data", str(train), "--eval-data", str(held), "--max-rows", "0",
                  "--memo-features", "off", "--out", str(tmp_path / "online"), *ARGS, *TRAIN]) == 0
+    # no --max-length: the cache's row length (128) is the default, where a text run's is 1,024
     assert main(["train", "--target", tiny_dir, "--features-cache", str(tmp_path / "a"), "--eval-features-cache",
-                 str(tmp_path / "b"), "--max-rows", "0", "--out", str(tmp_path / "cached"), *ARGS, *TRAIN]) == 0
+                 str(tmp_path / "b"), "--max-rows", "0", "--out", str(tmp_path / "cached"), "--threads", "1",
+                 *TRAIN]) == 0
+    assert json.loads((tmp_path / "cached" / "train_config.json").read_text())["data"]["max_length"] == 128
 
     def logged(run):
         return [json.loads(ln) for ln in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

@@ -80,7 +80,7 @@ class DataOptions:
                                "(the bundled set)", check=existing(names=("default",), prefixes=("hf:",)))
     eval_data: str | None = opt(None, "held-out conversations, as --data (default: a split of --data)",
                                 check=existing(names=("default",), prefixes=("hf:",)))
-    max_length: int = opt(1024, "packed row length in tokens", min=2)
+    max_length: int = opt(1024, "packed row length in tokens (train --features-cache C: C's row length)", min=2)
     max_rows: int = opt(128, "train on at most this many packed rows (0: all; held-out rows are bounded to an "
                              "eighth of it); the default keeps a 2-core CPU run under 15 minutes")
     eval_fraction: float = opt(0.05, "share of the conversations held out, chosen by a hash of each one", below=1)

@@ -93,6 +93,21 @@ def check_resumed_state(out: Path) -> None:
     run.metrics_lines(say=False)
 
 
+def adopt_cache_length(cfg: RunConfig) -> None:
+    """A feature cache's row length is --max-length's default when training from it: the length comes
+    from the cache unless the user set one (the flag, a --config file, or in Python a value other than
+    the default), which `check_cache` then holds to the cache's."""
+    from ..data.features import DiskFeatures
+    from .preflight import given
+
+    cache = cfg.data.features_cache
+    if not cache or cfg.source or "max_length" in given(cfg, "data"):
+        return
+    made = DiskFeatures(cache, rows=False).manifest.get("max_length")
+    if isinstance(made, int) and made != cfg.data.max_length:
+        cfg.data = dataclasses.replace(cfg.data, max_length=made)
+
+
 def check_cache(path: str, max_length: int) -> None:
     """A feature cache's manifest and every shard's header (data.features.DiskFeatures), and its rows'
     length against --max-length, before the target loads."""
@@ -181,6 +196,7 @@ def run_training(cfg: RunConfig) -> dict:
     if cfg.target.threads:  # set in a --config file as well as by the flag
         torch.set_num_threads(cfg.target.threads)
     check_cache_options(cfg.data)
+    adopt_cache_length(cfg)
     from ..data.chat import use_template
 
     use_template(cfg.target.chat_template, cfg.target.thinking)  # recorded with the run: --resume renders alike
