@@ -1,0 +1,159 @@
+"""regenerate at length: a cut answer is marked, counted and not kept as whole; the engine's context is
+the target's; tool calls the target makes are compared with the data's; a kill loses no finished turn.
+
+A scripted stand-in engine writes known answers (the text a table gives for the last user turn), so each
+expectation is written out by hand, not computed by the code under test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockdraft.data.regenerate import regenerate, turns_path
+from blockdraft.target import stop_token_ids
+
+
+class Scripted:
+    """An engine that answers the last user or tool turn of its prompt from `answers` (its tokens, then a stop
+    token), at most `max_tokens` of them, as vLLM does; `calls` logs what it was asked."""
+
+    name = "scripted"
+
+    def __init__(self, tok, answers: dict, context=None, fail_after: int | None = None):
+        self.tokenizer, self.answers, self.context, self.fail_after = tok, answers, context, fail_after
+        self.calls = []
+
+    def check_sampling(self, sampling):
+        return None
+
+    def generate(self, prompts, *, max_tokens, stop_token_ids=None, **_):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise KeyboardInterrupt  # a kill between two generate calls
+        rows = []
+        for p, n in zip(prompts, max_tokens):
+            text = self.tokenizer.decode(p)
+            key = max(self.answers, key=lambda k: text.rfind(f"{k}<|im_end|>"))  # the last turn's
+            self.calls.append(key)
+            ids = self.tokenizer.encode(self.answers[key], add_special_tokens=False) + [stop_token_ids[0]]
+            rows.append((ids[:n], "stop" if len(ids) <= n else "length"))
+        return rows
+
+
+def conv(*turns):
+    out = []
+    for k, t in enumerate(turns):
+        out.append(t if isinstance(t, dict) else {"role": "user" if k % 2 == 0 else "assistant", "content": t})
+    return out
+
+
+def records(path):
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+ANSWERS = {"short": "Yes.", "long": " ".join(["word"] * 40), "again": "Sure, here.", "more": "Done."}
+
+
+def test_an_answer_cut_at_max_new_tokens_ends_its_conversation_unless_kept(tmp_path, tok):
+    convs = [("a", conv("short", "x", "long", "y", "more", "z")), ("b", conv("long", "x")),
+             ("c", conv("short", "x", "again"))]
+    res = regenerate(Scripted(tok, ANSWERS), convs, tmp_path / "drop.jsonl", max_new_tokens=10, progress=False)
+    assert (res["written"], res["cut"]) == (3, 2)
+    got = records(tmp_path / "drop.jsonl")
+    # a: its second answer is cut: the conversation ends before it (its first answer and the user turn kept)
+    assert got["a"]["messages"] == conv("short", "Yes.", "long")
+    assert got["a"]["finish"] == ["stop", "length"]
+    assert got["a"]["ended"] == {"turn": 1, "why": "cut at --max-new-tokens"}
+    assert got["b"]["messages"] == conv("long") and got["b"]["finish"] == ["length"]  # nothing to train on
+    assert got["c"]["messages"] == conv("short", "Yes.", "again", "Sure, here.") and "ended" not in got["c"]
+    assert got["c"]["finish"] == ["stop", "stop"]
+
+    res = regenerate(Scripted(tok, ANSWERS), convs, tmp_path / "keep.jsonl", max_new_tokens=10, keep_cut=True,
+                     progress=False)
+    assert res["cut"] == 2
+    kept = records(tmp_path / "keep.jsonl")
+    cut = tok.decode(tok.encode(ANSWERS["long"], add_special_tokens=False)[:10]).strip()
+    assert kept["a"]["messages"] == conv("short", "Yes.", "long", cut, "more", "Done.")
+    assert kept["a"]["finish"] == ["stop", "length", "stop"] and "ended" not in kept["a"]
+
+
+def test_the_context_is_the_targets_and_a_turn_past_it_ends_the_conversation(tmp_path, tok):
+    from blockdraft.engines.transformers import TransformersGenerator, context_length
+    from blockdraft.target import TargetModel
+    from blockdraft.target.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", vocab=len(tok), layers=2, max_positions=96)
+    target = TargetModel(model, tok, [0], name="tiny")
+    assert TransformersGenerator(target).context == 96  # the config's max_position_embeddings
+    assert TransformersGenerator(target, max_length=40).context == 40
+    with pytest.raises(ValueError, match=r"--max-length 97 is longer than the target's context \(96"):
+        context_length(model.config, 97)
+
+    prompt = conv("short")
+    n = len(tok.apply_chat_template(prompt, add_generation_prompt=True))
+    # room for 2 answer tokens: "Yes." and its stop do not fit (cut by the context); no room at all
+    res = regenerate(Scripted(tok, ANSWERS, context=n + 2), [("a", prompt)], tmp_path / "a.jsonl",
+                     max_new_tokens=50, progress=False)
+    assert (res["over_context"], res["cut"]) == (1, 0)
+    assert records(tmp_path / "a.jsonl")["a"]["finish"] == ["context"]
+    engine = Scripted(tok, ANSWERS, context=n)
+    res = regenerate(engine, [("a", prompt)], tmp_path / "b.jsonl", max_new_tokens=50, progress=False)
+    assert res["over_context"] == 1 and engine.calls == []  # never sent to the engine
+
+
+def call(name, **args):
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def scripted_parser(text, tools):
+    """A stand-in for vLLM's parsers (tests/reference hold vLLM's own): 'CALL name {json}' is a call."""
+    if text.startswith("CALL "):
+        name, args = text[5:].split(" ", 1)
+        return {"role": "assistant", "content": "", "tool_calls": [call(name, **json.loads(args))]}
+    return {"role": "assistant", "content": text, "tool_calls": []}
+
+
+@pytest.mark.parametrize("target_says,kept", [('CALL weather {"city": "Oslo"}', True),
+                                              ('CALL weather {"city": "Rome"}', False),
+                                              ("It is sunny.", False)])
+def test_where_the_targets_tool_call_differs_from_the_data_the_conversation_ends_there(tmp_path, tok,
+                                                                                        target_says, kept):
+    data = [{"role": "user", "content": "weather"},
+            {"role": "assistant", "content": "", "tool_calls": [call("weather", city="Oslo")]},
+            {"role": "tool", "content": "sunny, 20 C"}, {"role": "assistant", "content": "It is sunny."},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "old"}]
+    answers = {"weather": target_says, "sunny, 20 C": "It is sunny.", "more": "Done."}
+    res = regenerate(Scripted(tok, answers), [("t", data)], tmp_path / "a.jsonl", max_new_tokens=40,
+                     parse=scripted_parser, progress=False)
+    got = records(tmp_path / "a.jsonl")["t"]
+    first = scripted_parser(target_says, None)
+    if not first["tool_calls"]:
+        del first["tool_calls"]
+    if kept:  # the same call: the data's tool result follows it, and the conversation goes on
+        assert res["tool_calls_differ"] == 0 and "ended" not in got
+        assert [m["role"] for m in got["messages"]] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+        assert got["messages"][1] == first and got["messages"][-1]["content"] == "Done."
+    else:  # another call, or none: the target's turn is the last; the tool result it did not ask for is gone
+        assert res["tool_calls_differ"] == 1 and got["ended"] == {"turn": 0, "why": "tool calls differ"}
+        assert got["messages"] == [data[0], first]
+
+
+def test_a_kill_keeps_every_finished_turn_and_the_rerun_writes_what_one_run_does(tmp_path, tok):
+    convs = [(k, conv(*[w for t in turns for w in (t, "-")])) for k, turns in
+             enumerate([["short", "again", "more"], ["again", "short"], ["more"], ["short", "more"]])]
+    whole = tmp_path / "whole.jsonl"
+    regenerate(Scripted(tok, ANSWERS), convs, whole, max_new_tokens=20, batch_size=2, progress=False)
+
+    out = tmp_path / "killed.jsonl"
+    # killed at its 4th generate call: turn 0 of all four written, turn 1 of conversations 0 and 1
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(Scripted(tok, ANSWERS, fail_after=5), convs, out, max_new_tokens=20, batch_size=2,
+                   progress=False)
+    journal = [json.loads(ln) for ln in turns_path(out).read_text().splitlines()]
+    assert len(journal) == 6 and records(out).keys() == {1, 2}  # 6 turns kept; two conversations whole
+    with open(turns_path(out), "a") as f:
+        f.write('{"hash": "torn')  # a kill inside a journal line
+    again = Scripted(tok, ANSWERS)
+    res = regenerate(again, convs, out, max_new_tokens=20, batch_size=2, progress=False)
+    assert len(again.calls) == 8 - 6 and res["written"] == 2  # only the turns not yet finished
+    assert records(out) == records(whole) and not turns_path(out).exists()
