@@ -157,3 +157,64 @@ def test_a_kill_keeps_every_finished_turn_and_the_rerun_writes_what_one_run_does
     res = regenerate(again, convs, out, max_new_tokens=20, batch_size=2, progress=False)
     assert len(again.calls) == 8 - 6 and res["written"] == 2  # only the turns not yet finished
     assert records(out) == records(whole) and not turns_path(out).exists()
+
+
+def _refused(capsys, argv) -> str:
+    from blockdraft.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and "error:" in err[-1], err
+    return err[-1]
+
+
+def test_a_conversations_file_is_never_taken_for_regenerates_own_answers(tmp_path, tok, tiny_target_dir, capsys,
+                                                                         monkeypatch):
+    """The probe: --prompts conv.jsonl --out conv.jsonl appended answers to the user's file; a file of
+    conversations (role/content messages, none of regenerate's fields) as --out or as --bundle is refused,
+    byte for byte unchanged."""
+    convs = tmp_path / "conv.jsonl"
+    convs.write_text("".join(json.dumps({"messages": conv(f"Count to {k}.", "1 2 3")}) + "\n" for k in range(20)))
+    before = convs.read_bytes()
+    base = ["regenerate", "--target", tiny_target_dir, "--threads", "1", "--no-progress", "--max-new-tokens", "2"]
+    line = _refused(capsys, base + ["--prompts", str(convs), "--out", str(convs)])
+    assert "--out" in line and "is also --prompts" in line
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(before)
+    line = _refused(capsys, base + ["--prompts", str(convs), "--out", str(other), "--n", "2"])
+    assert "not an answers file" in line
+    line = _refused(capsys, base + ["--prompts", str(convs), "--out", str(tmp_path / "a.jsonl"), "--bundle",
+                                    str(tmp_path / "a.jsonl")])
+    assert "--bundle" in line and "is also --out" in line
+    assert convs.read_bytes() == before and other.read_bytes() == before and not (tmp_path / "a.jsonl").exists()
+
+    from blockdraft.cli import main
+
+    assert main(base + ["--prompts", str(convs), "--out", str(tmp_path / "b.jsonl"), "--n", "2"]) == 0
+    out = capsys.readouterr()
+    assert "cut at --max-new-tokens 2: 2;" in out.out  # two cut answers, counted and said
+    assert "note:" not in out.err  # the CPU default is named only where it was the one that cut
+    assert len(records(tmp_path / "b.jsonl")) == 2
+    monkeypatch.setattr("blockdraft.cli.commands._has_gpu", lambda: False)
+    monkeypatch.setattr("blockdraft.cli.commands.CPU_NEW_TOKENS", 3)  # the default's logic, at a test's length
+    assert main(base[:-2] + ["--prompts", str(convs), "--out", str(tmp_path / "c.jsonl"), "--n", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 1 answers were cut at 3 tokens, the default without a GPU" in err, err
+
+
+def test_a_parser_without_vllm_is_refused_in_one_line_before_any_work(tmp_path, tiny_target_dir, capsys,
+                                                                      monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_vllm(name, *a, **k):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    line = _refused(capsys, ["regenerate", "--target", tiny_target_dir, "--out", str(tmp_path / "a.jsonl"),
+                             "--tool-call-parser", "hermes"])
+    assert "--tool-call-parser" in line and "[vllm]" in line
+    assert not (tmp_path / "a.jsonl").exists()
