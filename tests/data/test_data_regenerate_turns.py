@@ -119,7 +119,7 @@ def scripted_parser(text, tools):
 def test_where_the_targets_tool_call_differs_from_the_data_the_conversation_ends_there(tmp_path, tok,
                                                                                         target_says, kept):
     data = [{"role": "user", "content": "weather"},
-            {"role": "assistant", "content": "", "tool_calls": [call("weather", city="Oslo")]},
+            {"role": "assistant", "content": "", "tool_calls": [{**call("weather", city="Oslo"), "id": "d1"}]},
             {"role": "tool", "content": "sunny, 20 C"}, {"role": "assistant", "content": "It is sunny."},
             {"role": "user", "content": "more"}, {"role": "assistant", "content": "old"}]
     answers = {"weather": target_says, "sunny, 20 C": "It is sunny.", "more": "Done."}
@@ -129,6 +129,8 @@ def test_where_the_targets_tool_call_differs_from_the_data_the_conversation_ends
     first = scripted_parser(target_says, None)
     if not first["tool_calls"]:
         del first["tool_calls"]
+    else:  # the data's id where the calls are the data's (its tool turn names it), else one of the prompt's
+        first["tool_calls"][0]["id"] = "d1" if kept else f"call-{got['hash'][:8]}-0-0"
     if kept:  # the same call: the data's tool result follows it, and the conversation goes on
         assert res["tool_calls_differ"] == 0 and "ended" not in got
         assert [m["role"] for m in got["messages"]] == ["user", "assistant", "tool", "assistant", "user", "assistant"]

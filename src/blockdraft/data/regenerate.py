@@ -222,6 +222,11 @@ class _Conv:
 
     def take(self, turn: int, message: dict, reason: str, keep_cut: bool) -> bool:
         """Turn `turn` written: whether the conversation is over."""
+        if message.get("tool_calls"):  # the data's call ids where the calls are the data's (its tool turns
+            data = self._data_calls(turn) or []  # name them), else ids of the prompt and turn (not random)
+            same = _calls(data) == _calls(message["tool_calls"])
+            message["tool_calls"] = [{**c, "id": (data[i].get("id") if same else None) or f"call-{self.h[:8]}-{turn}-{i}"}
+                                     for i, c in enumerate(message["tool_calls"])]
         self.hist[self.slots[turn]] = message
         self.finish.append(reason)
         self.next = turn + 1
