@@ -220,3 +220,25 @@ def test_a_parser_without_vllm_is_refused_in_one_line_before_any_work(tmp_path, 
                              "--tool-call-parser", "hermes"])
     assert "--tool-call-parser" in line and "[vllm]" in line
     assert not (tmp_path / "a.jsonl").exists()
+
+
+def test_without_a_reasoning_parser_the_templates_markers_split_a_parsed_turn(tmp_path, tok):
+    import copy
+
+    from tests.data.templates import TEMPLATES
+
+    t = copy.deepcopy(tok)
+    t.chat_template = TEMPLATES["chatml-think"]
+    data = conv("weather", "old")
+    answers = {"weather": "<think>\nLook it up.\n</think>\n\nCALL weather {\"city\": \"Oslo\"}"}
+
+    def tool_parser_only(text, tools):  # the calls after the reasoning, the rest left as content
+        head, _, tail = text.partition("CALL ")
+        m = scripted_parser("CALL " + tail, tools) if tail else scripted_parser(text, tools)
+        return {**m, "content": head.strip()}
+
+    regenerate(Scripted(t, answers), [("t", data)], tmp_path / "a.jsonl", max_new_tokens=40,
+               parse=tool_parser_only, progress=False)
+    got = records(tmp_path / "a.jsonl")["t"]["messages"][1]
+    assert got["reasoning_content"] == "Look it up." and got["content"] == ""
+    assert [c["function"]["name"] for c in got["tool_calls"]] == ["weather"]

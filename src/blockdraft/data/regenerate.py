@@ -387,12 +387,16 @@ def _count(counts: dict, c: "_Conv", over: bool) -> bool:
 def _message(tok, row: list[int], tools, markers: dict, parse) -> dict:
     """A generated turn as a message: through the server's parsers where given, else its reasoning
     split where the template marks it."""
-    if parse is not None:
-        return parse(tok.decode(row, skip_special_tokens=False), tools)
     key = json.dumps(tools, sort_keys=True) if tools else ""
     if key not in markers:
         markers[key] = reasoning_markers(tok, tools)
-    return split_answer(_decode(tok, row, markers[key]), markers[key])
+    if parse is None:
+        return split_answer(_decode(tok, row, markers[key]), markers[key])
+    message = parse(tok.decode(row, skip_special_tokens=False), tools)
+    if "reasoning_content" not in message:  # no reasoning parser: the template's markers split it
+        split = split_answer(message["content"], markers[key])
+        message = {**message, **split, **({"tool_calls": message["tool_calls"]} if "tool_calls" in message else {})}
+    return message
 
 
 def _seed(sampling: dict, key: str, turn: int) -> int:
