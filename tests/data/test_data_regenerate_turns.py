@@ -242,3 +242,33 @@ def test_without_a_reasoning_parser_the_templates_markers_split_a_parsed_turn(tm
     got = records(tmp_path / "a.jsonl")["t"]["messages"][1]
     assert got["reasoning_content"] == "Look it up." and got["content"] == ""
     assert [c["function"]["name"] for c in got["tool_calls"]] == ["weather"]
+
+
+def test_vllms_engine_gets_the_targets_context_and_each_prompt_its_own_room(tiny_target_dir):
+    """No engine starts: the options VllmGenerator would start vLLM with, and the SamplingParams its
+    generate hands vLLM (a recording stand-in for the LLM)."""
+    from types import SimpleNamespace
+
+    from blockdraft.engines.vllm.job import Generator
+    from blockdraft.engines.vllm.runner import VllmRunner
+
+    gen = VllmRunner().generator(tiny_target_dir)
+    assert gen.context == 1024 and gen.options["max_model_len"] == 1024  # the config's, not vLLM's old 2048
+    gen = VllmRunner().generator(tiny_target_dir, max_length=300)
+    assert gen.context == 300 and gen.options["max_model_len"] == 300
+    with pytest.raises(ValueError, match="--max-length 2000 is longer than the target's context"):
+        VllmRunner().generator(tiny_target_dir, max_length=2000)
+
+    seen = []
+    engine = Generator.__new__(Generator)
+    engine._params = lambda **kw: kw
+
+    def generate(prompts, params, use_tqdm):
+        seen.append(params)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7], finish_reason="stop")]) for _ in prompts]
+
+    engine.llm = SimpleNamespace(generate=generate)
+    assert engine.generate([[1], [2, 3]], max_tokens=[5, 9], stop_token_ids=[0]) == [([7], "stop")] * 2
+    assert [(p["max_tokens"], p["seed"]) for p in seen[0]] == [(5, None), (9, None)]
+    engine.generate([[1], [2]], max_tokens=[4, 6], seeds=[11, 12], temperature=0.5)
+    assert [(p["max_tokens"], p["seed"], p["temperature"]) for p in seen[1]] == [(4, 11, 0.5), (6, 12, 0.5)]
