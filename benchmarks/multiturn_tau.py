@@ -56,7 +56,8 @@ def generate(a) -> None:
     tok, model = target.tokenizer, target.model
     for name, convs in (("every-turn", train), ("held", held)):
         regenerate(TransformersGenerator(target), list(enumerate(convs)), out / f"{name}.jsonl",
-                   max_new_tokens=a.max_new_tokens, batch_size=a.batch, progress=True)
+                   max_new_tokens=a.max_new_tokens, batch_size=a.batch, progress=True,
+                   keep_cut=True)  # measured with cut answers kept (before regenerate dropped them)
     if (out / "last-turn.jsonl").exists():
         return
     stop, pad = stop_token_ids(tok), tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

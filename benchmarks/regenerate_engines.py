@@ -66,7 +66,7 @@ def main() -> None:
             path = Path(tmp) / f"{engine}.jsonl"
             t0 = time.perf_counter()
             regenerate(generator, prompts, path, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
-                       progress=False)
+                       progress=False, keep_cut=True)  # every answer compared, cut ones too
             dt = time.perf_counter() - t0
             start = started.pop() if engine == "vllm" else 0.0
             recs = [json.loads(ln) for ln in path.read_text().splitlines()]

@@ -9,9 +9,16 @@ import torch
 
 from blockdraft.data.magpie import filter_prompts, keep, user_prefix
 from blockdraft.data.prompt_set import read_prompts, write_prompts
-from blockdraft.data.regenerate import done_hashes, prompt_hash, regenerate
+from blockdraft.data.regenerate import done_hashes, prompt_hash
+from blockdraft.data.regenerate import regenerate as regenerate_any
 from blockdraft.engines.transformers import TransformersGenerator
 from blockdraft.engines.vllm.runner import VllmGenerator
+
+
+def regenerate(*args, **kw):
+    """These tests' answers are short (a few tokens): kept where --max-new-tokens cuts them, so each
+    conversation is whole (test_data_regenerate_turns.py holds what a cut does)."""
+    return regenerate_any(*args, **{"keep_cut": True, **kw})
 
 
 def tiny_pair(tok):
@@ -36,14 +43,14 @@ def test_resume_is_keyed_by_prompt_not_position(tmp_path, tok):
     out = tmp_path / "answers.jsonl"
     first = [("a", user("Name a colour.")), ("b", user("Name a fruit.")), ("c", user("Name a city."))]
     res = regenerate(TransformersGenerator(target), first, out, max_new_tokens=4, batch_size=2, progress=False)
-    assert res == {"written": 3, "skipped": 0, "total": 3}
+    assert {k: res[k] for k in ("written", "skipped", "total")} == {"written": 3, "skipped": 0, "total": 3}
     before = {r["hash"]: r for r in records(out)}
     second = [("c", user("Name a city.")), ("new", user("Name a river.")), ("a", user("Name a colour!")),
               ("b", user("Name a fruit."))]
     with open(out, "a") as f:  # a kill in the middle of a line
         f.write('{"id": "x", "hash": "de')
     res = regenerate(TransformersGenerator(target), second, out, max_new_tokens=4, batch_size=3, progress=False)
-    assert res == {"written": 2, "skipped": 2, "total": 4}
+    assert {k: res[k] for k in ("written", "skipped", "total")} == {"written": 2, "skipped": 2, "total": 4}
     recs = records(out)
     assert len(recs) == 5 and len({r["hash"] for r in recs}) == 5
     for r in recs:

@@ -9,6 +9,8 @@ import sys
 from .parsers import train_config
 
 DEFAULT_DATA = "default"
+GPU_NEW_TOKENS = 16384  # regenerate's default answer length on a GPU: room for a thinking model's answers
+CPU_NEW_TOKENS = 256  # and without one, where a CPU writes a few tokens a second
 
 
 def _threads(args) -> None:
@@ -26,6 +28,12 @@ def cmd_regenerate(args) -> int:
     from ..target import spread_kwargs
 
     _threads(args)
+    _distinct_files(args)
+    parse = None
+    if args.tool_call_parser or args.reasoning_parser:
+        from ..engines.vllm.parsers import server_parser
+
+        parse = server_parser(args.tool_call_parser, args.reasoning_parser)  # refused before any work
     if args.prompts == "default":
         prompts = read_prompts(DEFAULT_PROMPTS)
     elif args.prompts.endswith((".jsonl", ".jsonl.gz")) and _is_prompt_file(args.prompts):
@@ -35,16 +43,52 @@ def cmd_regenerate(args) -> int:
         prompts = list(enumerate(convs))
     prompts = prompts[: args.n] if args.n else prompts
     generator = runner(args.engine).generator(args.target, device=args.device, spread=spread_kwargs(args),
-                                              tensor_parallel_size=args.tensor_parallel_size, memory=args.engine_memory)
-    res = regenerate(generator, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     progress=not args.no_progress, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                                              tensor_parallel_size=args.tensor_parallel_size, memory=args.engine_memory,
+                                              max_length=args.max_length)
+    if parse is not None:
+        parse = parse.bind(generator.tokenizer)
+    gpu = _has_gpu()
+    new_tokens = args.max_new_tokens or (GPU_NEW_TOKENS if gpu else CPU_NEW_TOKENS)
+    res = regenerate(generator, prompts, args.out, max_new_tokens=new_tokens, batch_size=args.batch_size,
+                     progress=not args.no_progress, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     keep_cut=args.keep_cut, parse=parse)
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
+    print(f"cut at --max-new-tokens {new_tokens}: {res['cut']}; prompt fills the context: {res['over_context']}; "
+          f"tool calls differ from the data's: {res['tool_calls_differ']}"
+          + ("" if args.keep_cut else " (each ends its conversation before that turn; --keep-cut keeps cut answers)"))
+    if res["cut"] and args.max_new_tokens is None and not gpu:
+        print(f"note: {res['cut']} answers were cut at {new_tokens} tokens, the default without a GPU; pass "
+              f"--max-new-tokens ({GPU_NEW_TOKENS} on a GPU) to let them finish", file=sys.stderr)
     if args.bundle:
         from ..data.regenerate import bundle_answers, sampling_of
 
         n = bundle_answers(args.out, args.bundle, prompts, sampling_of(args.temperature, args.top_p, args.seed))
         print(f"bundled {n} conversations in prompt-hash order -> {args.bundle}")
     return 0
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _distinct_files(args) -> None:
+    """--prompts, --out and --bundle are three files: one given twice would be appended to or replaced."""
+    from pathlib import Path
+
+    def same(a, b):
+        try:
+            return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+        except OSError:
+            return False
+
+    for (fa, a), (fb, b) in [(("--out", args.out), ("--prompts", args.prompts)),
+                             (("--bundle", args.bundle), ("--prompts", args.prompts)),
+                             (("--bundle", args.bundle), ("--out", args.out))]:
+        if b != "default" or fb != "--prompts":
+            if same(a, b):
+                raise ValueError(f"{fa} {a} is also {fb}: regenerate would write over it; pass another {fa}")
 
 
 def _is_prompt_file(path: str) -> bool:

@@ -97,7 +97,22 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--out", required=True, type=TEXT,
                    help="answers, JSONL; an existing file is completed, never rewritten (required)")
     r.add_argument("--n", type=Checked(int), default=0, help="answer only the first N prompts (0: all)")
-    r.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
+    r.add_argument("--max-new-tokens", type=Checked(int, min=1), default=None,
+                   help="longest answer in tokens (default: 16384 on a GPU, room for a thinking model's answers; "
+                        "256 without one, where a CPU could not write more in a day)")
+    r.add_argument("--max-length", type=Checked(int, min=2), default=None,
+                   help="tokens a turn's prompt and answer may take together: the engine's context (vLLM's "
+                        "max_model_len) (default: the target's own, its max_position_embeddings)")
+    r.add_argument("--keep-cut", action="store_true",
+                   help="keep an answer cut at --max-new-tokens or the context, and go on with the conversation "
+                        "(default: the conversation ends before it, so no cut answer is trained on as if whole)")
+    r.add_argument("--tool-call-parser", default=None, metavar="NAME", type=TEXT,
+                   help="vLLM's tool-call parser, as `vllm serve --tool-call-parser` (hermes, qwen3_xml, kimi_k2, "
+                        "glm47, deepseek_v31, openai, ...): the target's calls become tool_calls; needs vLLM "
+                        "importable, with either engine")
+    r.add_argument("--reasoning-parser", default=None, metavar="NAME", type=TEXT,
+                   help="vLLM's reasoning parser, as `vllm serve --reasoning-parser` (qwen3, deepseek_r1, kimi_k2, "
+                        "glm45, openai_gptoss, ...): the target's reasoning becomes reasoning_content")
     r.add_argument("--temperature", type=Checked(float, min=0), default=0.0,
                    help="0: greedy; else sample each answer (as served), reproducibly from --seed")
     r.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")

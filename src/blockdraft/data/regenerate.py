@@ -78,7 +78,8 @@ def answer_records(raw: bytes, where: str) -> list[dict]:
             rec = None
         msgs = rec.get("messages") if isinstance(rec, dict) else None
         if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                      for m in msgs)):
+                                                      for m in msgs)
+                and "id" in rec and ("hash" in rec or msgs[-1]["role"] == "assistant")):
             raise ValueError(f"{where}:{k}: not an answer record (regenerate writes {{\"id\", \"hash\", \"messages\"}} "
                              "lines): this is not an answers file; pass another --out")
         out.append(rec)
@@ -169,12 +170,16 @@ def split_answer(text: str, markers: tuple[str, str] | None) -> dict:
 
 def regenerate(generator, prompts: list[tuple[object, list[dict]]], out: str | os.PathLike, *,
                max_new_tokens: int = 256, batch_size: int = 8, progress: bool = True, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0) -> dict:
+               top_p: float = 1.0, seed: int = 0, keep_cut: bool = False, parse=None) -> dict:
     """prompts: (id, messages) pairs. Every assistant turn written again (greedy at temperature 0, else
-    sampled), each conversation appended to `out` once all its turns are; returns counts. `generator` is
-    what an engine runs the target with (`engines.runner(name).generator(...)`: its `tokenizer`, `name`,
-    `check_sampling` and `generate(prompt ids, ...) -> [(ids, reason)]`). One regenerate writes `out` at
-    a time: a second is refused, naming the first (`locks`)."""
+    sampled); each finished turn is journaled (`turns_path`) and each conversation appended to `out` once
+    it ends. `generator` is what an engine runs the target with (`engines.runner(name).generator(...)`:
+    its `tokenizer`, `name`, `context` (prompt and answer tokens it holds), `check_sampling` and
+    `generate(prompt ids, ...) -> [(ids, finish reason)]`). An answer cut at `max_new_tokens` (or the
+    context) ends its conversation before it unless `keep_cut`. `parse(text, tools) -> message`: the
+    server's tool-call and reasoning parsers (`engines.vllm.parsers`); where the target's tool calls
+    differ from the data's, the conversation ends with that turn. Returns counts. One regenerate writes
+    `out` at a time: a second is refused, naming the first (`locks`)."""
     from ..rundir.directory import RunDir
 
     if temperature < 0 or not 0 < top_p <= 1:
@@ -183,7 +188,7 @@ def regenerate(generator, prompts: list[tuple[object, list[dict]]], out: str | o
     generator.check_sampling(sampling)
     with RunDir(out, "regenerate").lock() as run:
         return _answer(generator, prompts, run, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                       progress=progress, sampling=sampling)
+                       progress=progress, sampling=sampling, keep_cut=keep_cut, parse=parse)
 
 
 def sampling_of(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
@@ -198,6 +203,94 @@ def _settings(sampling: dict) -> dict:
     return {**sampling, **template_kwargs()}
 
 
+class _Conv:
+    """One conversation being regenerated: its slots, the turns written so far, how it ended."""
+
+    def __init__(self, pid, h, messages, tools):
+        self.pid, self.h, self.tools, self.data = pid, h, tools, list(messages)
+        self.hist, self.slots = turn_slots(messages)
+        self.next, self.finish, self.ended = 0, [], None
+
+    def record(self) -> dict:
+        keep = self.hist
+        if self.ended is not None:
+            turn, why = self.ended["turn"], self.ended["why"]
+            keep = self.hist[:self.slots[turn] + (1 if why == "tool calls differ" else 0)]
+        keep = [{k: v for k, v in m.items() if not (k == "tool_calls" and v == [])} for m in keep]  # none found
+        return {"id": self.pid, "hash": self.h, "messages": keep, "finish": self.finish,
+                **({"ended": self.ended} if self.ended else {}), **({"tools": self.tools} if self.tools else {})}
+
+    def take(self, turn: int, message: dict, reason: str, keep_cut: bool) -> bool:
+        """Turn `turn` written: whether the conversation is over."""
+        if message.get("tool_calls"):  # the data's call ids where the calls are the data's (its tool turns
+            data = self._data_calls(turn) or []  # name them), else ids of the prompt and turn (not random)
+            same = _calls(data) == _calls(message["tool_calls"])
+            message["tool_calls"] = [{**c, "id": (data[i].get("id") if same else None) or f"call-{self.h[:8]}-{turn}-{i}"}
+                                     for i, c in enumerate(message["tool_calls"])]
+        self.hist[self.slots[turn]] = message
+        self.finish.append(reason)
+        self.next = turn + 1
+        if reason in ("length", "context") and not keep_cut:
+            self.ended = {"turn": turn, "why": "cut at --max-new-tokens" if reason == "length" else
+                          "prompt fills the context"}
+        elif self.slots[turn] + 1 < len(self.hist) and _calls_differ(self._data_calls(turn), message):
+            self.ended = {"turn": turn, "why": "tool calls differ"}
+        return self.ended is not None or self.next == len(self.slots)
+
+    def _data_calls(self, turn: int):
+        k = self.slots[turn]
+        return self.data[k].get("tool_calls") if k < len(self.data) and self.data[k]["role"] == "assistant" else None
+
+
+def _calls(calls) -> list:
+    """Tool calls as (name, arguments) pairs, arguments parsed where they are JSON text."""
+    out = []
+    for c in calls or ():
+        f = c.get("function", c)
+        args = f.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append((f.get("name"), args))
+    return out
+
+
+def _calls_differ(data_calls, message: dict) -> bool:
+    """Whether the target's turn calls other tools (or other arguments) than the data's next tool turns
+    answer. Without a parser (no "tool_calls" in the message) nothing is compared."""
+    if "tool_calls" not in message:
+        return False
+    return _calls(data_calls) != _calls(message["tool_calls"])
+
+
+def turns_path(out: str | os.PathLike) -> Path:
+    """The journal of finished turns beside an answers file: one line per turn, fsync'ed, so a kill
+    loses no finished turn; removed once every conversation of a run is in the answers file."""
+    out = Path(out)
+    return out.with_name(out.name + ".turns")
+
+
+def _journal(path: Path, todo: dict, keep_cut: bool, counts: dict) -> None:
+    """Replays the journal's turns into the conversations still to write (a torn last line dropped)."""
+    if not path.exists():
+        return
+    raw = path.read_bytes()
+    cut = raw.rfind(b"\n") + 1
+    for k, line in enumerate(raw[:cut].decode("utf-8", errors="replace").splitlines(), 1):
+        try:
+            j = json.loads(line)
+            conv, turn = todo.get(j["hash"]), int(j["turn"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}:{k}: not a regenerate journal line; move the file away") from None
+        if conv is not None and turn == conv.next and conv.ended is None and turn < len(conv.slots):
+            _count(counts, conv, conv.take(turn, j["message"], j["finish"], keep_cut))
+    if cut != len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+
+
 def _todo(prompts, done: set, settings: dict) -> tuple[list, int]:
     todo, seen, skipped = [], set(), 0
     for pid, m in prompts:
@@ -208,54 +301,102 @@ def _todo(prompts, done: set, settings: dict) -> tuple[list, int]:
         if h in done:
             skipped += 1
         else:
-            hist, slots = turn_slots(m)
-            todo.append((pid, h, hist, slots, getattr(m, "tools", None)))
+            todo.append(_Conv(pid, h, m, getattr(m, "tools", None)))
     return todo, skipped
 
 
 def _answer(generator, prompts: list[tuple[object, list[dict]]], run, *, max_new_tokens: int,
-            batch_size: int, progress: bool, sampling: dict) -> dict:
+            batch_size: int, progress: bool, sampling: dict, keep_cut: bool = False, parse=None) -> dict:
     """`run`: the answers file's `RunDir`, locked."""
     from tqdm.auto import tqdm
 
     out = run.path
+    journal = turns_path(out)
     tok = generator.tokenizer
+    context = getattr(generator, "context", None)
     todo, skipped = _todo(prompts, done_hashes(out), _settings(sampling))
+    counts = {"cut": 0, "tool_calls_differ": 0, "over_context": 0}
     if todo:  # found before the first answer, not at the thousandth
-        run.check_space(answers_bytes(tok, [(p, h, hist) for p, h, hist, _, _ in todo],
-                                      max_new_tokens * max(len(t[3]) for t in todo)),
-                        f"the answers to {len(todo)} prompts")
+        run.check_space(2 * answers_bytes(tok, [(c.pid, c.h, c.hist) for c in todo],
+                                          max_new_tokens * max(len(c.slots) for c in todo)),
+                        f"the answers to {len(todo)} prompts (and their journal)")
+    _journal(journal, {c.h: c for c in todo}, keep_cut, counts)
     stop = stop_token_ids(tok)
     markers = {}
     written = 0
     bar = tqdm(total=skipped + len(todo), initial=skipped, desc=f"regenerate ({generator.name})",
                disable=not progress)
     try:
-        for turn in range(max((len(t[3]) for t in todo), default=0)):  # every prompt's k-th answer, then the next
-            active = [t for t in todo if turn < len(t[3])]
+        over = [c for c in todo if c.ended is not None or c.next == len(c.slots)]
+        _append(out, [c.record() for c in over])  # finished in the journal before a kill: only written
+        written += len(over)
+        bar.update(len(over))
+        for turn in range(max((len(c.slots) for c in todo), default=0)):  # every prompt's k-th answer, then the next
+            active = [c for c in todo if c.ended is None and c.next == turn < len(c.slots)]
             for s in range(0, len(active), batch_size):
                 chunk = active[s:s + batch_size]
-                ids = [encode_prompt(tok, hist[:slots[turn]], tools=tools)[0].tolist() for _, _, hist, slots, tools in chunk]
-                seeds = [_seed(sampling, h, turn) for _, h, _, _, _ in chunk]
-                rows = [r for r, _ in generator.generate(ids, max_tokens=max_new_tokens, stop_token_ids=stop,
-                                                         temperature=sampling.get("temperature", 0.0),
-                                                         top_p=sampling.get("top_p", 1.0),
-                                                         seeds=seeds if sampling else None)]
-                records = []
-                for (pid, h, hist, slots, tools), row in zip(chunk, rows):
-                    key = json.dumps(tools, sort_keys=True) if tools else ""
-                    if key not in markers:
-                        markers[key] = reasoning_markers(tok, tools)
-                    hist[slots[turn]] = split_answer(_decode(tok, _until_stop(row, stop), markers[key]), markers[key])
-                    if turn == len(slots) - 1:
-                        records.append({"id": pid, "hash": h, "messages": hist,
-                                        **({"tools": tools} if tools else {})})
-                _append(out, records)
-                written += len(records)
-                bar.update(len(records))
+                ids = [encode_prompt(tok, c.hist[:c.slots[turn]], tools=c.tools)[0].tolist() for c in chunk]
+                room = [max_new_tokens if context is None else min(max_new_tokens, context - len(r)) for r in ids]
+                go = [k for k, r in enumerate(room) if r > 0]
+                rows = {}
+                if go:
+                    seeds = [_seed(sampling, chunk[k].h, turn) for k in go]
+                    got = generator.generate([ids[k] for k in go], max_tokens=[room[k] for k in go],
+                                             stop_token_ids=stop, temperature=sampling.get("temperature", 0.0),
+                                             top_p=sampling.get("top_p", 1.0), seeds=seeds if sampling else None)
+                    rows = dict(zip(go, got))
+                lines, ended = [], []
+                for k, c in enumerate(chunk):
+                    row, reason = rows.get(k, ([], "context"))
+                    row, reason = _finished(row, reason, stop, room[k], max_new_tokens)
+                    message = _message(tok, row, c.tools, markers, parse)
+                    if _count(counts, c, c.take(turn, message, reason, keep_cut)):
+                        ended.append(c)
+                    lines.append({"hash": c.h, "turn": turn, "message": message, "finish": reason})
+                _append(journal, lines)  # the turns first: a kill after it loses nothing
+                _append(out, [c.record() for c in ended])
+                written += len(ended)
+                bar.update(len(ended))
     finally:
         bar.close()
-    return {"written": written, "skipped": skipped, "total": skipped + len(todo)}
+    if journal.exists():  # every conversation of the run is in the answers file now
+        journal.unlink()
+    return {"written": written, "skipped": skipped, "total": skipped + len(todo), **counts}
+
+
+def _finished(row: list[int], reason: str, stop: list[int], room: int, max_new_tokens: int) -> tuple[list, str]:
+    """An answer's tokens (up to its stop token, within its room) and why it ended: 'stop', 'length' (cut at
+    --max-new-tokens) or 'context' (cut where its prompt and it fill the engine's context)."""
+    if room <= 0:
+        return [], "context"
+    head = row[:room]
+    cut = _until_stop(head, stop)
+    if len(cut) < len(head) or (reason == "stop" and len(row) <= room):  # a stop token, or vLLM's stop
+        return cut, "stop"
+    return head, "length" if room >= max_new_tokens else "context"
+
+
+def _count(counts: dict, c: "_Conv", over: bool) -> bool:
+    """Counts the turn `c` just took (an answer cut, kept or not; a conversation its turn ended)."""
+    counts["cut"] += c.finish[-1] == "length"
+    counts["over_context"] += c.finish[-1] == "context"
+    counts["tool_calls_differ"] += (c.ended or {}).get("why") == "tool calls differ"
+    return over
+
+
+def _message(tok, row: list[int], tools, markers: dict, parse) -> dict:
+    """A generated turn as a message: through the server's parsers where given, else its reasoning
+    split where the template marks it."""
+    key = json.dumps(tools, sort_keys=True) if tools else ""
+    if key not in markers:
+        markers[key] = reasoning_markers(tok, tools)
+    if parse is None:
+        return split_answer(_decode(tok, row, markers[key]), markers[key])
+    message = parse(tok.decode(row, skip_special_tokens=False), tools)
+    if "reasoning_content" not in message:  # no reasoning parser: the template's markers split it
+        split = split_answer(message["content"], markers[key])
+        message = {**message, **split, **({"tool_calls": message["tool_calls"]} if "tool_calls" in message else {})}
+    return message
 
 
 def _seed(sampling: dict, key: str, turn: int) -> int:

@@ -117,15 +117,21 @@ class Generator:
                                 **size)
         self._params = vllm.SamplingParams
 
-    def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seeds: list[int] | None = None, stop_token_ids: list[int] | None = None) -> list[tuple[list[int], str]]:
+    def generate(self, prompts: list[list[int]], *, max_tokens: int | list[int], temperature: float = 0.0,
+                 top_p: float = 1.0, seeds: list[int] | None = None,
+                 stop_token_ids: list[int] | None = None) -> list[tuple[list[int], str]]:
         """(generated ids, finish reason: 'stop' or 'length') per prompt; greedy at temperature 0, else
-        sampled with one seed per prompt (reproducible whatever the batching)."""
-        def params(seed):
-            return self._params(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+        sampled with one seed per prompt (reproducible whatever the batching). `max_tokens`: one for all,
+        or each prompt's own."""
+        def params(seed, n):
+            return self._params(temperature=temperature, top_p=top_p, max_tokens=n, seed=seed,
                                 stop_token_ids=stop_token_ids)
 
-        plist = params(None) if seeds is None else [params(s) for s in seeds]
+        if isinstance(max_tokens, int) and seeds is None:
+            plist = params(None, max_tokens)
+        else:
+            ns = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+            plist = [params(None if seeds is None else s, n) for s, n in zip(seeds or [None] * len(prompts), ns)]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], plist, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
 

@@ -7,6 +7,17 @@ process (`in_process` False): only its embedding, final norm and head are loaded
 from __future__ import annotations
 
 from ..runners import Runner
+from ..transformers import context_length
+
+
+def _config(local_dir):
+    """The target's config (None where its directory has none: a stand-in)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(local_dir)
+    except (OSError, ValueError):
+        return None
 
 
 class VllmGenerator:
@@ -19,7 +30,9 @@ class VllmGenerator:
         from ...target import TargetFiles
 
         self.files = target if hasattr(target, "local_dir") else TargetFiles.resolve(target)
-        self.tokenizer, self.options, self._engine = self.files.tokenizer, options, None
+        self.tokenizer, self._engine = self.files.tokenizer, None
+        self.context = context_length(_config(self.files.local_dir), options.pop("max_length", None))
+        self.options = {**options, **({"max_model_len": self.context} if self.context else {})}
 
     def check_sampling(self, sampling: dict) -> None:
         import torch
@@ -42,8 +55,9 @@ class VllmRunner(Runner):
     in_process = False
 
     def generator(self, target: str, *, tensor_parallel_size: int = 1, memory: float | None = None,
-                  **_) -> VllmGenerator:
-        return VllmGenerator(target, tensor_parallel_size=tensor_parallel_size, memory=memory)
+                  max_length: int | None = None, **_) -> VllmGenerator:
+        """`max_length`: the engine's context (vLLM's max_model_len; default: the target's own)."""
+        return VllmGenerator(target, tensor_parallel_size=tensor_parallel_size, memory=memory, max_length=max_length)
 
     def sampler(self, target: str, batch: int = 1024):
         """Magpie's sampling function on vLLM: one engine per seed (vLLM's CPU sampler takes no seed per
