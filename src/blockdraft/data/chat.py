@@ -38,7 +38,10 @@ and a warning.
 
 from __future__ import annotations
 
+import copy
+import json
 import warnings
+from datetime import datetime
 
 FALLBACK_PREFIX = {"system": "System: ", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
 
@@ -107,6 +110,88 @@ def use_template(chat_template: str | None = None, thinking: str | None = None) 
     _PROCESS["kwargs"] = _thinking_kwargs(thinking)
 
 
+def _environment():
+    """The Jinja environment chat templates run in: as transformers' (trimmed blocks, loop controls, its
+    `tojson`, `raise_exception`, `strftime_now`, the `{% generation %}` tag), but with jinja2's plain
+    sandbox rather than the immutable one, so a template may append to a list it built (Kimi-K2's do, as
+    llama.cpp's renderer allows). Messages are handed over as fresh copies, so a template's edits
+    never reach the caller's records; attribute access stays sandboxed."""
+    if _ENV:
+        return _ENV[0]
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import SandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):  # {% generation %}...{% endgeneration %}: the body as it is
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def refuse(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def as_json(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = as_json
+    env.globals.update(raise_exception=refuse, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    _ENV.append(env)
+    return env
+
+
+_ENV: list = []
+_COMPILED: dict = {}
+
+
+class TemplateRefused(ValueError):
+    """A setting the template cannot apply, or a template that is not Jinja: every rendering fails alike,
+    so it is not one conversation's fault (try_render passes it on)."""
+
+
+def _compiled(template: str):
+    got = _COMPILED.get(template)
+    if got is None:
+        import jinja2
+
+        try:
+            got = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateRefused(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+        if len(_COMPILED) > 8:  # a process renders with one or two templates
+            _COMPILED.clear()
+        _COMPILED[template] = got
+    return got
+
+
+def _server_message(m: dict) -> dict:
+    """A message as an OpenAI-compatible server hands it to the template: its own fields only, reasoning
+    also under `thinking` (gpt-oss's templates read that), tool-call arguments parsed into a mapping."""
+    out = {k: copy.deepcopy(m[k]) for k in FIELDS if k in m}
+    if "reasoning_content" in out:
+        out.setdefault("thinking", out["reasoning_content"])
+    for call in out.get("tool_calls") or []:
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+            f["arguments"] = json.loads(f["arguments"]) if f["arguments"].strip() else {}
+    return out
+
+
+def _check_thinking(template: str | None, kw: dict) -> None:
+    if "enable_thinking" in kw and (not template or "enable_thinking" not in template):
+        which = "the plain fallback (the tokenizer has no chat template)" if not template else \
+            "the chat template does not read enable_thinking"
+        raise TemplateRefused(f"--thinking {'on' if kw['enable_thinking'] else 'off'} cannot apply: {which}; "
+                              f"drop --thinking, or pass a --chat-template that reads it")
+
+
 def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
                 tools: list | None = None) -> str:
     """The conversation as text: the tokenizer's chat template, or the plain fallback. `tools`:
@@ -115,30 +200,35 @@ def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         if not isinstance(m, dict) or m.get("role") not in FALLBACK_PREFIX or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} must be {{'role': 'system'|'user'|'assistant'|'tool', 'content': str}}, "
                              f"got {m!r:.100}; load data with load_conversations to normalise it")
-    if not has_chat_template(tokenizer):
+    kw = {**_PROCESS["kwargs"], **(getattr(tokenizer, "blockdraft_template_kwargs", None) or {})}
+    template = _template(tokenizer)
+    _check_thinking(template, kw)
+    if not template:
         return _fallback_text(tokenizer, messages, add_generation_prompt)
     tools = tools if tools is not None else getattr(messages, "tools", None)
-    plain = [{k: m[k] for k in FIELDS if k in m} for m in messages]
-    kw = {**_PROCESS["kwargs"], **(getattr(tokenizer, "blockdraft_template_kwargs", None) or {}),
-          "chat_template": _template(tokenizer)}
-    if tools:
-        kw["tools"] = tools
+    compiled = _compiled(template)
     try:
-        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+        plain = [_server_message(m) for m in messages]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"a tool call's arguments are not JSON ({e.msg}); load data with load_conversations, "
+                         f"which refuses them naming the record") from None
+    special = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items() if isinstance(v, str)}
+    try:
+        text = compiled.render(**special, **kw, messages=plain, tools=copy.deepcopy(tools) or None, documents=None,
+                               add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja TemplateError, raise_exception() in templates, ...
-        raise ValueError(f"the chat template refused this conversation ({type(e).__name__}: {e}); "
-                         f"check the role order it expects (e.g. alternating user/assistant)") from e
-    if not isinstance(text, str):
-        raise ValueError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+        hint = "; check the role order it expects (e.g. alternating user/assistant)" \
+            if any(w in str(e).lower() for w in ("role", "alternat", "order")) else ""
+        raise ValueError(f"the chat template refused this conversation ({type(e).__name__}: {e}){hint}") from e
     return text
 
 
 def try_render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str | None:
-    """render_text, or None where the template cannot render this prefix (e.g. no messages)."""
-    if not messages and has_chat_template(tokenizer):
-        return None  # apply_chat_template refuses an empty conversation
+    """render_text, or None where the template cannot render this prefix (e.g. one that reads messages[0])."""
     try:
         return render_text(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    except TemplateRefused:
+        raise
     except ValueError:
         return None
 
@@ -208,39 +298,78 @@ def _generation_prompt(tokenizer, messages: list[dict], tools) -> str:
     return with_prompt[len(without):]
 
 
-def _search_span(text: str, upto: str, content: str, cursor: int, index: int) -> tuple[int, int]:
-    """Span of assistant message `index` found by searching its content after `cursor`."""
-    body = content.strip()
-    start = text.find(body, cursor) if body else -1
-    if start < 0:
-        raise ValueError(f"cannot locate assistant message {index} in the rendered conversation: the chat "
-                         f"template renders prefixes inconsistently and the content is empty or altered")
-    end = start + len(body)
-    k = upto.rfind(body)
-    tail = upto[k + len(body):].rstrip() if k >= 0 else ""
-    if tail and text.startswith(tail, end):
-        end += len(tail)
-    return start, end
+def _pieces(m: dict) -> list[tuple[str, str]]:
+    """What an assistant turn holds, as (what, text): its reasoning, content and tool calls' names."""
+    held = [("reasoning", m.get("reasoning_content") or ""), ("content", m["content"])]
+    held += [("tool call", str((c.get("function") or {}).get("name", ""))) for c in m.get("tool_calls") or []]
+    return [(what, piece.strip()) for what, piece in held if piece.strip()]
+
+
+def _shows(text: str, m: dict, what: str, piece: str) -> bool:
+    """Whether `text` shows the piece (a tool call: its name, or its id where the template writes that)."""
+    if piece in text:
+        return True
+    return what == "tool call" and any(str(c.get("id") or "\ue000") in text for c in m.get("tool_calls") or []
+                                       if (c.get("function") or {}).get("name", "").strip() == piece)
+
+
+def _holds(text: str, m: dict) -> bool:
+    return all(_shows(text, m, what, piece) for what, piece in _pieces(m))
+
+
+def _written_text(tokenizer, messages: list[dict], i: int, tools) -> tuple[int, str, str]:
+    """Assistant turn i as the template renders it when it is the last turn: (where it starts in
+    `own`, `own` the conversation through turn i, the turn's text from after its header through its
+    end-of-turn marker: what the target writes in that turn). A template that leaves out what the turn
+    holds (its reasoning, a tool call, its content) is refused: the loss would teach a turn the target
+    never wrote."""
+    m = messages[i]
+    prompt = try_render(tokenizer, messages[:i], True, tools)
+    own = render_text(tokenizer, messages[: i + 1], tools=tools)
+    if prompt is not None and own.startswith(prompt):
+        start, end = len(prompt), len(own.rstrip())
+    else:  # e.g. a default system prompt written before a first turn, but not for an empty conversation
+        found = _diff_span(tokenizer, messages[:i + 1], tools, own, i, 0, own)
+        if found is None:
+            raise ValueError(f"cannot locate assistant turn {i}: the chat template does not open it with the text "
+                             f"it writes for add_generation_prompt=True")
+        start, end = found
+    want = own[start:end]
+    for what, piece in _pieces(m):
+        if not _shows(want, m, what, piece):
+            raise ValueError(f"the chat template leaves out assistant turn {i}'s {what} ({piece!r:.60}): a "
+                             f"drafter would learn a turn the target never wrote; pass --chat-template FILE with the "
+                             f"target's own template, one that renders it")
+    return start, own, want
 
 
 def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
-    """Character spans [start, end) of the assistant turns in `text` (the full rendering)."""
+    """Character spans [start, end) of the assistant turns in `text` (the full rendering) that carry
+    loss. Each span holds what the target wrote in its turn: the turn as the template renders it
+    when it is the last one. A turn the full rendering shows otherwise (an earlier turn whose
+    reasoning the template hides) has no span: it is left out of the loss, never learned as the
+    history shows it. A turn that cannot be found is refused, never trained with a partial mask."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     tools = getattr(messages, "tools", None)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = try_render(tokenizer, messages[:i], True, tools)
-        upto = render_text(tokenizer, messages[: i + 1], tools=tools)
-        if prompt is not None and upto.startswith(prompt) and text.startswith(upto) and len(prompt) >= cursor:
-            start, end = len(prompt), max(len(prompt), len(upto.rstrip()))
-        else:
-            found = _diff_span(tokenizer, messages, tools, text, i, cursor, upto) if has_chat_template(tokenizer) \
-                else None
-            start, end = found or _search_span(text, upto, m["content"], cursor, i)
-        spans.append((start, end))
-        cursor = end
+        start, own, want = _written_text(tokenizer, messages, i, tools)
+        if start >= cursor and text.startswith(own[:start + len(want)]):
+            spans.append((start, start + len(want)))
+            cursor = start + len(want)
+            continue
+        found = _diff_span(tokenizer, messages, tools, text, i, cursor, own)
+        if found is None:
+            raise ValueError(f"cannot locate assistant turn {i} in the rendered conversation (the chat template "
+                             f"renders it differently when later turns follow, and no difference of renderings "
+                             f"isolates it); refused rather than trained with a partial loss mask")
+        start, end = found
+        shown = text[start:end]
+        if shown == want or (want.startswith(shown) and _holds(shown, m)):  # gpt-oss: <|end|> where it wrote <|return|>
+            spans.append((start, end))
+        cursor = max(cursor, end)  # else: the history shows another text than the target wrote: no loss there
     return spans
 
 
@@ -274,8 +403,14 @@ def render(tokenizer, messages: list[dict]) -> dict:
                       "'System: ...\\nUser: ...\\nAssistant: ...<eos>'. The drafter will then learn a "
                       "format the target may not use at inference; set tokenizer.chat_template to fix",
                       UserWarning, stacklevel=2)
-    text = render_text(tokenizer, messages)
-    spans = assistant_spans(tokenizer, messages, text)
+    try:
+        text = render_text(tokenizer, messages)
+        spans = assistant_spans(tokenizer, messages, text)
+    except TemplateRefused:
+        raise
+    except ValueError as e:
+        where = getattr(messages, "where", None)
+        raise ValueError(f"{where}: {e}" if where else str(e)) from e
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     return {"input_ids": ids, "loss_mask": mask_from_offsets(enc["offset_mapping"], spans)}
