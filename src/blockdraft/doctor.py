@@ -246,7 +246,11 @@ def check_data(target, path: str | None) -> Check:
     except ValueError as e:
         return Check("data", FAIL, f"train refuses it: {e}", "fix or remove the record, or train with --skip-bad-lines")
     for c in convs[:20]:
-        r = render(tok, c)
+        try:  # a template that drops what a turn holds, or a turn it cannot locate: train refuses it alike
+            r = render(tok, c)
+        except ValueError as e:
+            return Check("data", FAIL, f"train refuses it: {e}", "pass --chat-template FILE with the target's own "
+                                                                 "template, or fix the record")
         ids = [i for i, m in zip(r["input_ids"], r["loss_mask"]) if m]
         learned = tok.decode(ids)
         for msg in c:

@@ -77,6 +77,11 @@ def template_kwargs() -> dict:
     return dict(_PROCESS["kwargs"])
 
 
+def template_override() -> str | None:
+    """The --chat-template file's text this process renders with (None: the tokenizer's own)."""
+    return _PROCESS["chat_template"]
+
+
 def _read_template(chat_template: str) -> str:
     from pathlib import Path
 
@@ -100,14 +105,19 @@ def configure_template(tokenizer, chat_template: str | None = None, thinking: st
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)
     if thinking is not None:
+        _check_thinking(_template(tokenizer), _thinking_kwargs(thinking))
         tokenizer.blockdraft_template_kwargs = _thinking_kwargs(thinking)
 
 
 def use_template(chat_template: str | None = None, thinking: str | None = None) -> None:
     """Every rendering of this process (the commands' --chat-template and --thinking) uses this template
     and thinking setting, whatever the tokenizer; None leaves the tokenizer's own."""
-    _PROCESS["chat_template"] = _read_template(chat_template) if chat_template else None
-    _PROCESS["kwargs"] = _thinking_kwargs(thinking)
+    template = _read_template(chat_template) if chat_template else None
+    kwargs = _thinking_kwargs(thinking)
+    if template:  # refused before the target loads; the tokenizer's own template is checked at its first use
+        _check_thinking(template, kwargs)
+        _compiled(template)
+    _PROCESS["chat_template"], _PROCESS["kwargs"] = template, kwargs
 
 
 def _environment():
