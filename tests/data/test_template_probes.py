@@ -37,12 +37,22 @@ def as_server_sends(conv) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("style", sorted(TEMPLATES) + ["smollm2"])
+# blocks on lines of their own (trim_blocks, lstrip_blocks), reasoning read as `thinking` (gpt-oss's name), arguments
+# through tojson (a mapping's JSON, not the record's text), a special token
+PROBE = """{{ bos_token }}{% for m in messages %}
+  {% if m.thinking %}[{{ m.thinking }}]{% endif %}
+{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %} {{ c.function.name }}{{ c.function.arguments | tojson }}
+{% endfor %}
+{% endfor %}
+{% if add_generation_prompt %}assistant:{% endif %}"""
+
+
+@pytest.mark.parametrize("style", sorted(TEMPLATES) + ["smollm2", "probe"])
 @pytest.mark.parametrize("case", ["one turn", "several turns", "tools"])
 def test_the_renderer_writes_what_transformers_writes(tok, style, case):
     if style != "smollm2":
-        tok.chat_template = TEMPLATES[style]
-    conv = parse_record(conversations("chatml-think")[case])
+        tok.chat_template = PROBE if style == "probe" else TEMPLATES[style]
+    conv = parse_record(conversations("harmony")[case])  # arguments as the JSON text records hold
     for gen in (False, True):
         msgs = conv if not gen else conv[:-1]
         want = tok.apply_chat_template(as_server_sends(msgs), tools=conv.tools, tokenize=False,
