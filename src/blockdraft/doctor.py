@@ -236,7 +236,7 @@ def check_data(target, path: str | None) -> Check:
 
     if path is None:
         return Check("data", WARN, "no --data given: loss masks not checked", "pass --data FILE")
-    from .data.chat import has_chat_template
+    from .data.chat import assistant_spans, has_chat_template, render_text
 
     tok = target.tokenizer
     if not has_chat_template(tok):
@@ -248,9 +248,16 @@ def check_data(target, path: str | None) -> Check:
     for c in convs[:20]:
         try:  # a template that drops what a turn holds, or a turn it cannot locate: train refuses it alike
             r = render(tok, c)
+            left_out: list = []
+            assistant_spans(tok, c, render_text(tok, c), left_out)
         except ValueError as e:
             return Check("data", FAIL, f"train refuses it: {e}", "pass --chat-template FILE with the target's own "
                                                                  "template, or fix the record")
+        dropped = [why for _, why in left_out if "leaves out" in why]
+        if dropped:
+            where = getattr(c, "where", None) or "a record"
+            return Check("data", FAIL, f"{where}: {dropped[0]}, so that turn carries no loss",
+                         "pass --chat-template FILE with the target's own template, one that renders it")
         ids = [i for i, m in zip(r["input_ids"], r["loss_mask"]) if m]
         learned = tok.decode(ids)
         for msg in c:

@@ -140,22 +140,28 @@ def test_a_template_that_drops_what_a_turn_holds_is_refused_and_doctor_fails(tok
     for m in tools["messages"]:
         m.pop("reasoning_content", None)
     reasoning = conversations("chatml-think")["one turn"]
+    t = TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3)
     for record, what in ((tools, "tool call"), (reasoning, "reasoning")):
         path = tmp_path / f"{what}.jsonl"
         path.write_text(json.dumps(record) + "\n")
         convs, _ = load_conversations(str(path))
-        with pytest.raises(ValueError, match=f"leaves out assistant turn [0-9]+'s {what}") as e:
-            render(tok, convs[0])
-        assert str(e.value).startswith(f"{path}:1: ")
-        t = TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3)
         got = doctor.check_data(t, str(path))
-        assert got.status == "FAIL" and "leaves out" in got.message
+        assert got.status == "FAIL" and f"{path}:1: the chat template leaves out assistant turn" in got.message
+        assert f"'s {what}" in got.message
+        if what == "reasoning":  # its only turn: nothing would be learned
+            with pytest.raises(ValueError, match=f"^{path}:1: the chat template leaves out assistant turn 2's reasoning"):
+                render(tok, convs[0])
+            continue
+        # the tool-call turn (written as an empty answer) carries no loss; the answers after it do
+        ex = render(tok, convs[0])
+        learned = tok.decode([x for x, k in zip(ex["input_ids"], ex["loss_mask"]) if k])
+        assert learned == "Rain, 4 C.<|im_end|>Hi!<|im_end|>"
 
 
 def test_a_turn_that_cannot_be_located_is_refused_never_half_learned(tok, tmp_path):
-    """A history that writes a past answer twice: no rendering isolates the turn, so no mask is guessed."""
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-                         "{% if m.role == 'assistant' and not loop.last %} / {{ m.content }}{% endif %}<|im_end|>\n"
+    """A history written backwards: no rendering isolates the past answer, nor bounds it, so no mask is guessed."""
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                         "{% if loop.last %}{{ m.content }}{% else %}{{ m.content[::-1] }}{% endif %}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "Name a prime."},

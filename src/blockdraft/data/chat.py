@@ -327,18 +327,18 @@ def _holds(text: str, m: dict) -> bool:
     return all(_shows(text, m, what, piece) for what, piece in _pieces(m))
 
 
-def _written_text(tokenizer, messages: list[dict], i: int, tools) -> tuple[int, str, str]:
+def _written_text(tokenizer, messages: list[dict], i: int, tools) -> tuple[int, str, str, str | None]:
     """Assistant turn i as the template renders it when it is the last turn: (where it starts in
     `own`, `own` the conversation through turn i, the turn's text from after its header through its
-    end-of-turn marker: what the target writes in that turn). A template that leaves out what the turn
-    holds (its reasoning, a tool call, its content) is refused: the loss would teach a turn the target
-    never wrote."""
+    end-of-turn marker: what the target writes in that turn, and why that text is not what the target
+    wrote where the template leaves out something the turn holds: its reasoning, a tool call, its
+    content; else None)."""
     m = messages[i]
     prompt = try_render(tokenizer, messages[:i], True, tools)
     own = render_text(tokenizer, messages[: i + 1], tools=tools)
     if prompt is not None and own.startswith(prompt):
         start, end = len(prompt), len(own.rstrip())
-    else:  # e.g. a default system prompt written before a first turn, but not for an empty conversation
+    else:  # e.g. a default system prompt written before a first turn, or a pending tool call's reasoning
         found = _diff_span(tokenizer, messages[:i + 1], tools, own, i, 0, own)
         if found is None:
             raise ValueError(f"cannot locate assistant turn {i}: the chat template does not open it with the text "
@@ -347,39 +347,65 @@ def _written_text(tokenizer, messages: list[dict], i: int, tools) -> tuple[int, 
     want = own[start:end]
     for what, piece in _pieces(m):
         if not _shows(want, m, what, piece):
-            raise ValueError(f"the chat template leaves out assistant turn {i}'s {what} ({piece!r:.60}): a "
-                             f"drafter would learn a turn the target never wrote; pass --chat-template FILE with the "
-                             f"target's own template, one that renders it")
-    return start, own, want
+            return start, own, want, f"the chat template leaves out assistant turn {i}'s {what} ({piece!r:.60})"
+    return start, own, want, None
 
 
-def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+def _next_place(text: str, messages: list[dict], i: int, cursor: int) -> int | None:
+    """Where the next message that is not the assistant's shows its content after `cursor` (None: none
+    follows, or the rendering does not show it)."""
+    for m in messages[i + 1:]:
+        if m["role"] != "assistant" and m["content"].strip():
+            k = text.find(m["content"].strip(), cursor)
+            return k if k >= 0 else None
+    return None
+
+
+def assistant_spans(tokenizer, messages: list[dict], text: str,
+                    left_out: list[tuple[int, str]] | None = None) -> list[tuple[int, int]]:
     """Character spans [start, end) of the assistant turns in `text` (the full rendering) that carry
     loss. Each span holds what the target wrote in its turn: the turn as the template renders it
     when it is the last one. A turn the full rendering shows otherwise (an earlier turn whose
-    reasoning the template hides) has no span: it is left out of the loss, never learned as the
-    history shows it. A turn that cannot be found is refused, never trained with a partial mask."""
+    reasoning the template hides) has no span, and neither has a turn the template renders without
+    something it holds: such turns are left out of the loss (appended to `left_out` as (turn, why)),
+    never learned as shown. A turn that cannot be located is refused, never trained with a partial mask."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     tools = getattr(messages, "tools", None)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start, own, want = _written_text(tokenizer, messages, i, tools)
+        start, own, want, dropped = _written_text(tokenizer, messages, i, tools)
         if start >= cursor and text.startswith(own[:start + len(want)]):
-            spans.append((start, start + len(want)))
-            cursor = start + len(want)
-            continue
-        found = _diff_span(tokenizer, messages, tools, text, i, cursor, own)
-        if found is None:
-            raise ValueError(f"cannot locate assistant turn {i} in the rendered conversation (the chat template "
-                             f"renders it differently when later turns follow, and no difference of renderings "
-                             f"isolates it); refused rather than trained with a partial loss mask")
-        start, end = found
-        shown = text[start:end]
-        if shown == want or (want.startswith(shown) and _holds(shown, m)):  # gpt-oss: <|end|> where it wrote <|return|>
-            spans.append((start, end))
-        cursor = max(cursor, end)  # else: the history shows another text than the target wrote: no loss there
+            span = (start, start + len(want))
+        else:
+            found = _diff_span(tokenizer, messages, tools, text, i, cursor, own) if has_chat_template(tokenizer) \
+                else None
+            if found is not None:
+                shown = text[found[0]:found[1]]  # gpt-oss: a past answer ends <|end|> where it wrote <|return|>
+                span = found if shown == want or (want.startswith(shown) and _holds(shown, m)) else None
+                why = "the history shows it otherwise than the target wrote it (e.g. its reasoning hidden)"
+                end = found[1]
+            else:  # no rendering isolates it: passed over only where the next message bounds it
+                span, why, end = None, "the history renders it apart from how the target wrote it", \
+                    _next_place(text, messages, i, cursor)
+                if end is None:
+                    raise ValueError(f"cannot locate assistant turn {i} in the rendered conversation (the chat "
+                                     f"template renders it differently when later turns follow, and no difference "
+                                     f"of renderings isolates it); refused rather than trained with a partial loss "
+                                     f"mask")
+            if span is None:
+                if left_out is not None:
+                    left_out.append((i, dropped or why))
+                bound = _next_place(text, messages, i, cursor)  # a difference may run past the next messages
+                cursor = max(cursor, end if bound is None else min(end, bound))
+                continue
+        if dropped is not None:  # found, but not as the target wrote it
+            if left_out is not None:
+                left_out.append((i, dropped))
+        else:
+            spans.append(span)
+        cursor = max(cursor, span[1])
     return spans
 
 
@@ -415,7 +441,12 @@ def render(tokenizer, messages: list[dict]) -> dict:
                       UserWarning, stacklevel=2)
     try:
         text = render_text(tokenizer, messages)
-        spans = assistant_spans(tokenizer, messages, text)
+        left_out: list[tuple[int, str]] = []
+        spans = assistant_spans(tokenizer, messages, text, left_out)
+        dropped = [why for _, why in left_out if "leaves out" in why]
+        if not spans and dropped:  # nothing the target wrote would be learned
+            raise ValueError(f"{dropped[0]}: a drafter would learn nothing the target wrote in this conversation; "
+                             f"pass --chat-template FILE with the target's own template, one that renders it")
     except TemplateRefused:
         raise
     except ValueError as e:
