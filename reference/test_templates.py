@@ -83,6 +83,10 @@ def without_reasoning(record: dict) -> dict:
     return out
 
 
+# no reasoning to hide: every turn is learned (gpt-oss's earlier answers without the <|end|> the history gives them)
+RECORDS["answers only"] = without_reasoning(RECORDS["several turns"])
+
+
 # ------------------------------------------------------------------ a renderer written apart from blockdraft's
 
 def server_messages(conv) -> list[dict]:
