@@ -188,3 +188,22 @@ def test_the_template_keys_the_answers(tmp_path, process_template):
     assert keys["own"] == prompt_key(prompt)  # the tokenizer's own template keeps earlier releases' keys
     assert len({keys["own"], keys["a"], keys["b"]}) == 3
     assert keys["a"] == keys["a2"]  # the template's text, not its file name
+
+
+def test_every_command_refuses_thinking_its_template_cannot_apply(tiny_target_dir, chat_data, tmp_path, capsys,
+                                                                   process_template):
+    """SmolLM2's own template has no enable_thinking: train, regenerate, extract and doctor each stop in one line."""
+    from blockdraft.cli import main
+
+    runs = {"train": ["--data", chat_data, "--steps", "1", "--max-rows", "2", "--max-length", "128", "--out",
+                      str(tmp_path / "run"), "--no-progress", "--threads", "1"],
+            "regenerate": ["--n", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "a.jsonl"), "--no-progress",
+                           "--threads", "1"],
+            "extract": ["--data", chat_data, "--out", str(tmp_path / "cache"), "--max-length", "128", "--threads", "1"],
+            "doctor": ["--data", chat_data, "--show", "1", "--threads", "1"]}
+    for cmd, flags in runs.items():
+        capsys.readouterr()
+        assert main([cmd, "--target", tiny_target_dir, "--thinking", "on", *flags]) == 2, cmd
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weights' loading bar
+        assert err.startswith(f"blockdraft {cmd}: error: --thinking on cannot apply: the chat template does not "
+                              f"read enable_thinking"), (cmd, err)
