@@ -121,5 +121,9 @@ def test_show_marks_what_trains_and_where_reasoning_tool_calls_and_results_are(t
     assert "⟨reasoning⟩Be kind.⟨/reasoning⟩" in out and "I need the tool." not in out
     head = out.splitlines()[1]
     assert "tool result 5 tokens (0 learned)" in head and "reasoning" in head
+    # the turns whose reasoning the history hides are named, as is why (turns 1 and 3 of the record)
+    said = [line.strip() for line in out.splitlines()[2:4]]
+    assert [line.split(":")[0] for line in said] == ["message 1 carries no loss", "message 3 carries no loss"]
+    assert all("history shows it otherwise" in line for line in said)
     learned = "".join(part.split("⟧")[0] for part in out.split("⟦")[1:])
     assert "Weather in Oslo" not in learned and "rain, 4 C" not in learned

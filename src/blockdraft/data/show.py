@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .chat import render, render_text
+from .chat import assistant_spans, render, render_text
 from .sources import load_conversations
 
 LEARNED = ("⟦", "⟧")
@@ -88,6 +88,9 @@ def show(tokenizer, path: str, n: int) -> str:
             got[0] += len(toks)
             got[1] += sum(toks)
         parts = ", ".join(f"{kind} {t} tokens ({l} learned)" for kind, (t, l) in counts.items())
+        left_out: list[tuple[int, str]] = []
+        assistant_spans(tokenizer, conv, text, left_out)
+        left = "".join(f"\n    message {i} carries no loss: {why}" for i, why in left_out)
         blocks.append(f"--- record {k + 1} of {path}: {len(mask)} tokens, {sum(mask)} learned"
-                      + (f"; {parts}" if parts else "") + "\n" + mark(text, _runs(offsets, mask), found))
+                      + (f"; {parts}" if parts else "") + left + "\n" + mark(text, _runs(offsets, mask), found))
     return "\n".join(blocks)
