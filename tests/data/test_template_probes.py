@@ -207,3 +207,17 @@ def test_every_command_refuses_thinking_its_template_cannot_apply(tiny_target_di
         err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weights' loading bar
         assert err.startswith(f"blockdraft {cmd}: error: --thinking on cannot apply: the chat template does not "
                               f"read enable_thinking"), (cmd, err)
+
+
+def test_a_refused_record_is_named_once_by_train_s_loaders(tok, tmp_path):
+    """build_rows and a run's rows name the record (file:line) that the loss mask refuses."""
+    from blockdraft.data.pipeline import DataOptions, build_rows, conversation_rows
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(conversations("chatml-think")["one turn"]) + "\n")
+    want = f"^{path}:2: the chat template leaves out assistant turn 2's reasoning"
+    with pytest.raises(ValueError, match=want):
+        build_rows(tok, str(path), 64)
+    with pytest.raises(ValueError, match=want):
+        conversation_rows(tok, DataOptions(data=str(path), eval_fraction=0), 0)
