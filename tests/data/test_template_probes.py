@@ -221,3 +221,16 @@ def test_a_refused_record_is_named_once_by_train_s_loaders(tok, tmp_path):
         build_rows(tok, str(path), 64)
     with pytest.raises(ValueError, match=want):
         conversation_rows(tok, DataOptions(data=str(path), eval_fraction=0), 0)
+
+
+def test_doctor_passes_turns_the_history_hides_and_says_so(tok, tmp_path):
+    """An earlier answer whose reasoning the template hides carries no loss by design: not a FAIL."""
+    from blockdraft import doctor
+    from blockdraft.target import TargetModel
+    from conftest import tiny_causal_lm
+
+    tok.chat_template = TEMPLATES["chatml-think"]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(conversations("chatml-think")["several turns"]) + "\n")
+    got = doctor.check_data(TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3), str(path))
+    assert got.status == "PASS" and "(1 earlier turns the template's history shows otherwise carry no loss" in got.message
