@@ -231,6 +231,10 @@ def test_doctor_passes_turns_the_history_hides_and_says_so(tok, tmp_path):
 
     tok.chat_template = TEMPLATES["chatml-think"]
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps(conversations("chatml-think")["several turns"]) + "\n")
+    path.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "reasoning_content": "Small ones first.", "content": "Seventeen."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "reasoning_content": "Next one.", "content": "Nineteen."}]}) + "\n")
     got = doctor.check_data(TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3), str(path))
     assert got.status == "PASS" and "(1 earlier turns the template's history shows otherwise carry no loss" in got.message
