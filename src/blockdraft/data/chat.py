@@ -10,26 +10,34 @@ is 0. A token that straddles a span boundary (e.g. " Hello" after a generation p
 ending in a space) carries assistant text and is 1; ChatML-style headers end in their own
 "\n" token, so there the header is exactly the 0 part.
 
-Reasoning, tool calls and tool turns go to the template as the OpenAI / Hugging Face message fields
-it reads (``reasoning_content``, ``tool_calls``, ``tool_call_id``), with the record's ``tools`` and
-the template options `configure_template` set (a ``--chat-template`` file, ``--thinking``). An
-assistant span holds everything the template writes for the turn after its header: reasoning,
-content, tool-call markup and the end-of-turn marker. What a later turn shows of an earlier turn's
-reasoning is the template's choice: the spans are found in the full rendering, as it shows them.
+Reasoning, tool calls and tool turns go to the template as an OpenAI-compatible server hands them
+over: the message fields it reads (``reasoning_content``, also as ``thinking``; ``tool_calls`` with
+their arguments parsed into mappings; ``tool_call_id``), the record's ``tools`` and the template
+options `configure_template` / `use_template` set (a ``--chat-template`` file, ``--thinking``,
+refused where the template does not read ``enable_thinking``). Templates run in transformers'
+Jinja setup, in a sandbox that lets them append to lists they build (`_environment`).
+
+What a turn learns is what the target wrote in it: the turn as the template writes it when it is
+the conversation's last turn, ``W_i`` below. Where the full rendering shows the turn otherwise
+(a template that hides past reasoning), or the template cannot write what the turn holds (its
+reasoning, a tool call, its content), the turn carries no loss: it is never learned as the
+history shows it. A conversation left with nothing learned is refused, naming the record.
 
 Spans are found template-agnostically by rendering prefixes of the conversation:
 
 * ``P = render(messages[:i], add_generation_prompt=True)`` (text up to the turn's content),
-* ``U = render(messages[:i + 1])`` (text through the end of the turn),
+* ``U = render(messages[:i + 1])`` (text through the end of the turn), ``W_i = U[len(P):].rstrip()``,
 
 and, when ``P`` is a prefix of ``U`` and ``U`` a prefix of the full rendering, the span is
 ``[len(P), len(U.rstrip()))``. Templates that render earlier turns differently from the
-last one (e.g. ones that drop reasoning from past turns) fail that check; there the turn is
-found by difference: the full conversation rendered again with that turn's written fields
-replaced by a marker shares its text before and after the turn with the full rendering, and the
-span runs from the turn's header (the generation prompt, found before the difference) through
-the end-of-turn text the template writes after a last turn. Where even that fails, the content
-is searched in the full text after the previous span.
+last one fail that check; there the turn is found by difference: the full conversation rendered
+again with that turn's written fields replaced by a marker shares its text before and after the
+turn with the full rendering, and the turn runs from its header (the generation prompt, found
+before the difference) through the end-of-turn text the template writes after a last turn. It is
+learned where that text is ``W_i``, or ``W_i`` short of its end-of-turn marker while holding all the
+turn wrote (gpt-oss ends a past answer with ``<|end|>`` where the model wrote ``<|return|>``).
+Where no difference isolates the turn, it carries no loss if the next message bounds it, and the
+conversation is refused if nothing does, rather than trained with a guessed mask.
 
 Character spans become token masks through the offsets of a fast tokenizer. A tokenizer
 without a chat template gets a plain fallback ("System: ...\\nUser: ...\\nAssistant: ...<eos>\\n")
