@@ -38,10 +38,10 @@ def as_server_sends(conv) -> list[dict]:
 
 
 # blocks on lines of their own (trim_blocks, lstrip_blocks), reasoning read as `thinking` (gpt-oss's name), arguments
-# through tojson (a mapping's JSON, not the record's text), a special token
+# through tojson (a mapping's JSON, not the record's text), a special token, transformers' {% generation %} tag
 PROBE = """{{ bos_token }}{% for m in messages %}
   {% if m.thinking %}[{{ m.thinking }}]{% endif %}
-{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %} {{ c.function.name }}{{ c.function.arguments | tojson }}
+{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% for c in m.tool_calls or [] %} {{ c.function.name }}{{ c.function.arguments | tojson }}
 {% endfor %}
 {% endfor %}
 {% if add_generation_prompt %}assistant:{% endif %}"""
