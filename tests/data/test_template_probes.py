@@ -238,3 +238,16 @@ def test_doctor_passes_turns_the_history_hides_and_says_so(tok, tmp_path):
         {"role": "assistant", "reasoning_content": "Next one.", "content": "Nineteen."}]}) + "\n")
     got = doctor.check_data(TargetModel(tiny_causal_lm("llama", vocab=len(tok)), tok, num_features=3), str(path))
     assert got.status == "PASS" and "(1 earlier turns the template's history shows otherwise carry no loss" in got.message
+
+
+def test_show_gives_a_refused_record_with_why_and_goes_on(tok, tmp_path):
+    from blockdraft.data.show import show
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there."}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(conversations("chatml-think")["one turn"]) + "\n" + json.dumps(good) + "\n")
+    out = show(tok, str(path), 2)
+    with pytest.raises(ValueError) as refused:  # what train says of the first record
+        render(tok, load_conversations(str(path))[0][0])
+    assert f"--- record 1 of {path}: train refuses it: {refused.value}\n<|im_start|>system\nBe brief." in out
+    assert f"--- record 2 of {path}:" in out and "⟦Hello there.<|im_end|>⟧" in out
