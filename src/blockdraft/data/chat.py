@@ -10,26 +10,34 @@ is 0. A token that straddles a span boundary (e.g. " Hello" after a generation p
 ending in a space) carries assistant text and is 1; ChatML-style headers end in their own
 "\n" token, so there the header is exactly the 0 part.
 
-Reasoning, tool calls and tool turns go to the template as the OpenAI / Hugging Face message fields
-it reads (``reasoning_content``, ``tool_calls``, ``tool_call_id``), with the record's ``tools`` and
-the template options `configure_template` set (a ``--chat-template`` file, ``--thinking``). An
-assistant span holds everything the template writes for the turn after its header: reasoning,
-content, tool-call markup and the end-of-turn marker. What a later turn shows of an earlier turn's
-reasoning is the template's choice: the spans are found in the full rendering, as it shows them.
+Reasoning, tool calls and tool turns go to the template as an OpenAI-compatible server hands them
+over: the message fields it reads (``reasoning_content``, also as ``thinking``; ``tool_calls`` with
+their arguments parsed into mappings; ``tool_call_id``), the record's ``tools`` and the template
+options `configure_template` / `use_template` set (a ``--chat-template`` file, ``--thinking``,
+refused where the template does not read ``enable_thinking``). Templates run in transformers'
+Jinja setup, in a sandbox that lets them append to lists they build (`_environment`).
+
+What a turn learns is what the target wrote in it: the turn as the template writes it when it is
+the conversation's last turn, ``W_i`` below. Where the full rendering shows the turn otherwise
+(a template that hides past reasoning), or the template cannot write what the turn holds (its
+reasoning, a tool call, its content), the turn carries no loss: it is never learned as the
+history shows it. A conversation left with nothing learned is refused, naming the record.
 
 Spans are found template-agnostically by rendering prefixes of the conversation:
 
 * ``P = render(messages[:i], add_generation_prompt=True)`` (text up to the turn's content),
-* ``U = render(messages[:i + 1])`` (text through the end of the turn),
+* ``U = render(messages[:i + 1])`` (text through the end of the turn), ``W_i = U[len(P):].rstrip()``,
 
 and, when ``P`` is a prefix of ``U`` and ``U`` a prefix of the full rendering, the span is
 ``[len(P), len(U.rstrip()))``. Templates that render earlier turns differently from the
-last one (e.g. ones that drop reasoning from past turns) fail that check; there the turn is
-found by difference: the full conversation rendered again with that turn's written fields
-replaced by a marker shares its text before and after the turn with the full rendering, and the
-span runs from the turn's header (the generation prompt, found before the difference) through
-the end-of-turn text the template writes after a last turn. Where even that fails, the content
-is searched in the full text after the previous span.
+last one fail that check; there the turn is found by difference: the full conversation rendered
+again with that turn's written fields replaced by a marker shares its text before and after the
+turn with the full rendering, and the turn runs from its header (the generation prompt, found
+before the difference) through the end-of-turn text the template writes after a last turn. It is
+learned where that text is ``W_i``, or ``W_i`` short of its end-of-turn marker while holding all the
+turn wrote (gpt-oss ends a past answer with ``<|end|>`` where the model wrote ``<|return|>``).
+Where no difference isolates the turn, it carries no loss if the next message bounds it, and the
+conversation is refused if nothing does, rather than trained with a guessed mask.
 
 Character spans become token masks through the offsets of a fast tokenizer. A tokenizer
 without a chat template gets a plain fallback ("System: ...\\nUser: ...\\nAssistant: ...<eos>\\n")
@@ -38,7 +46,10 @@ and a warning.
 
 from __future__ import annotations
 
+import copy
+import json
 import warnings
+from datetime import datetime
 
 FALLBACK_PREFIX = {"system": "System: ", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
 
@@ -74,6 +85,11 @@ def template_kwargs() -> dict:
     return dict(_PROCESS["kwargs"])
 
 
+def template_override() -> str | None:
+    """The --chat-template file's text this process renders with (None: the tokenizer's own)."""
+    return _PROCESS["chat_template"]
+
+
 def _read_template(chat_template: str) -> str:
     from pathlib import Path
 
@@ -97,14 +113,101 @@ def configure_template(tokenizer, chat_template: str | None = None, thinking: st
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)
     if thinking is not None:
+        _check_thinking(_template(tokenizer), _thinking_kwargs(thinking))
         tokenizer.blockdraft_template_kwargs = _thinking_kwargs(thinking)
 
 
 def use_template(chat_template: str | None = None, thinking: str | None = None) -> None:
     """Every rendering of this process (the commands' --chat-template and --thinking) uses this template
     and thinking setting, whatever the tokenizer; None leaves the tokenizer's own."""
-    _PROCESS["chat_template"] = _read_template(chat_template) if chat_template else None
-    _PROCESS["kwargs"] = _thinking_kwargs(thinking)
+    template = _read_template(chat_template) if chat_template else None
+    kwargs = _thinking_kwargs(thinking)
+    if template:  # refused before the target loads; the tokenizer's own template is checked at its first use
+        _check_thinking(template, kwargs)
+        _compiled(template)
+    _PROCESS["chat_template"], _PROCESS["kwargs"] = template, kwargs
+
+
+def _environment():
+    """The Jinja environment chat templates run in: as transformers' (trimmed blocks, loop controls, its
+    `tojson`, `raise_exception`, `strftime_now`, the `{% generation %}` tag), but with jinja2's plain
+    sandbox rather than the immutable one, so a template may append to a list it built (Kimi-K2's do, as
+    llama.cpp's renderer allows). Messages are handed over as fresh copies, so a template's edits
+    never reach the caller's records; attribute access stays sandboxed."""
+    if _ENV:
+        return _ENV[0]
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import SandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):  # {% generation %}...{% endgeneration %}: the body as it is
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def refuse(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def as_json(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = as_json
+    env.globals.update(raise_exception=refuse, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    _ENV.append(env)
+    return env
+
+
+_ENV: list = []
+_COMPILED: dict = {}
+
+
+class TemplateRefused(ValueError):
+    """A setting the template cannot apply, or a template that is not Jinja: every rendering fails alike,
+    so it is not one conversation's fault (try_render passes it on)."""
+
+
+def _compiled(template: str):
+    got = _COMPILED.get(template)
+    if got is None:
+        import jinja2
+
+        try:
+            got = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateRefused(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+        if len(_COMPILED) > 8:  # a process renders with one or two templates
+            _COMPILED.clear()
+        _COMPILED[template] = got
+    return got
+
+
+def _server_message(m: dict) -> dict:
+    """A message as an OpenAI-compatible server hands it to the template: its own fields only, reasoning
+    also under `thinking` (gpt-oss's templates read that), tool-call arguments parsed into a mapping."""
+    out = {k: copy.deepcopy(m[k]) for k in FIELDS if k in m}
+    if "reasoning_content" in out:
+        out.setdefault("thinking", out["reasoning_content"])
+    for call in out.get("tool_calls") or []:
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+            f["arguments"] = json.loads(f["arguments"]) if f["arguments"].strip() else {}
+    return out
+
+
+def _check_thinking(template: str | None, kw: dict) -> None:
+    if "enable_thinking" in kw and (not template or "enable_thinking" not in template):
+        which = "the plain fallback (the tokenizer has no chat template)" if not template else \
+            "the chat template does not read enable_thinking"
+        raise TemplateRefused(f"--thinking {'on' if kw['enable_thinking'] else 'off'} cannot apply: {which}; "
+                              f"drop --thinking, or pass a --chat-template that reads it")
 
 
 def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
@@ -115,30 +218,35 @@ def render_text(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         if not isinstance(m, dict) or m.get("role") not in FALLBACK_PREFIX or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} must be {{'role': 'system'|'user'|'assistant'|'tool', 'content': str}}, "
                              f"got {m!r:.100}; load data with load_conversations to normalise it")
-    if not has_chat_template(tokenizer):
+    kw = {**_PROCESS["kwargs"], **(getattr(tokenizer, "blockdraft_template_kwargs", None) or {})}
+    template = _template(tokenizer)
+    _check_thinking(template, kw)
+    if not template:
         return _fallback_text(tokenizer, messages, add_generation_prompt)
     tools = tools if tools is not None else getattr(messages, "tools", None)
-    plain = [{k: m[k] for k in FIELDS if k in m} for m in messages]
-    kw = {**_PROCESS["kwargs"], **(getattr(tokenizer, "blockdraft_template_kwargs", None) or {}),
-          "chat_template": _template(tokenizer)}
-    if tools:
-        kw["tools"] = tools
+    compiled = _compiled(template)
     try:
-        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+        plain = [_server_message(m) for m in messages]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"a tool call's arguments are not JSON ({e.msg}); load data with load_conversations, "
+                         f"which refuses them naming the record") from None
+    special = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items() if isinstance(v, str)}
+    try:
+        text = compiled.render(**special, **kw, messages=plain, tools=copy.deepcopy(tools) or None, documents=None,
+                               add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja TemplateError, raise_exception() in templates, ...
-        raise ValueError(f"the chat template refused this conversation ({type(e).__name__}: {e}); "
-                         f"check the role order it expects (e.g. alternating user/assistant)") from e
-    if not isinstance(text, str):
-        raise ValueError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+        hint = "; check the role order it expects (e.g. alternating user/assistant)" \
+            if any(w in str(e).lower() for w in ("role", "alternat", "order")) else ""
+        raise ValueError(f"the chat template refused this conversation ({type(e).__name__}: {e}){hint}") from e
     return text
 
 
 def try_render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str | None:
-    """render_text, or None where the template cannot render this prefix (e.g. no messages)."""
-    if not messages and has_chat_template(tokenizer):
-        return None  # apply_chat_template refuses an empty conversation
+    """render_text, or None where the template cannot render this prefix (e.g. one that reads messages[0])."""
     try:
         return render_text(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    except TemplateRefused:
+        raise
     except ValueError:
         return None
 
@@ -208,39 +316,104 @@ def _generation_prompt(tokenizer, messages: list[dict], tools) -> str:
     return with_prompt[len(without):]
 
 
-def _search_span(text: str, upto: str, content: str, cursor: int, index: int) -> tuple[int, int]:
-    """Span of assistant message `index` found by searching its content after `cursor`."""
-    body = content.strip()
-    start = text.find(body, cursor) if body else -1
-    if start < 0:
-        raise ValueError(f"cannot locate assistant message {index} in the rendered conversation: the chat "
-                         f"template renders prefixes inconsistently and the content is empty or altered")
-    end = start + len(body)
-    k = upto.rfind(body)
-    tail = upto[k + len(body):].rstrip() if k >= 0 else ""
-    if tail and text.startswith(tail, end):
-        end += len(tail)
-    return start, end
+def _pieces(m: dict) -> list[tuple[str, str]]:
+    """What an assistant turn holds, as (what, text): its reasoning, content and tool calls' names."""
+    held = [("reasoning", m.get("reasoning_content") or ""), ("content", m["content"])]
+    held += [("tool call", str((c.get("function") or {}).get("name", ""))) for c in m.get("tool_calls") or []]
+    return [(what, piece.strip()) for what, piece in held if piece.strip()]
 
 
-def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
-    """Character spans [start, end) of the assistant turns in `text` (the full rendering)."""
+def _shows(text: str, m: dict, what: str, piece: str) -> bool:
+    """Whether `text` shows the piece (a tool call: its name, or its id where the template writes that)."""
+    if piece in text:
+        return True
+    return what == "tool call" and any(str(c.get("id") or "\ue000") in text for c in m.get("tool_calls") or []
+                                       if (c.get("function") or {}).get("name", "").strip() == piece)
+
+
+def _holds(text: str, m: dict) -> bool:
+    return all(_shows(text, m, what, piece) for what, piece in _pieces(m))
+
+
+def _written_text(tokenizer, messages: list[dict], i: int, tools) -> tuple[int, str, str, str | None]:
+    """Assistant turn i as the template renders it when it is the last turn: (where it starts in
+    `own`, `own` the conversation through turn i, the turn's text from after its header through its
+    end-of-turn marker: what the target writes in that turn, and why that text is not what the target
+    wrote where the template leaves out something the turn holds: its reasoning, a tool call, its
+    content; else None)."""
+    m = messages[i]
+    prompt = try_render(tokenizer, messages[:i], True, tools)
+    own = render_text(tokenizer, messages[: i + 1], tools=tools)
+    if prompt is not None and own.startswith(prompt):
+        start, end = len(prompt), len(own.rstrip())
+    else:  # e.g. a default system prompt written before a first turn, or a pending tool call's reasoning
+        found = _diff_span(tokenizer, messages[:i + 1], tools, own, i, 0, own)
+        if found is None:
+            raise ValueError(f"cannot locate assistant turn {i}: the chat template does not open it with the text "
+                             f"it writes for add_generation_prompt=True")
+        start, end = found
+    want = own[start:end]
+    for what, piece in _pieces(m):
+        if not _shows(want, m, what, piece):
+            return start, own, want, f"the chat template leaves out assistant turn {i}'s {what} ({piece!r:.60})"
+    return start, own, want, None
+
+
+def _next_place(text: str, messages: list[dict], i: int, cursor: int) -> int | None:
+    """Where the next message that is not the assistant's shows its content after `cursor` (None: none
+    follows, or the rendering does not show it)."""
+    for m in messages[i + 1:]:
+        if m["role"] != "assistant" and m["content"].strip():
+            k = text.find(m["content"].strip(), cursor)
+            return k if k >= 0 else None
+    return None
+
+
+def assistant_spans(tokenizer, messages: list[dict], text: str,
+                    left_out: list[tuple[int, str]] | None = None) -> list[tuple[int, int]]:
+    """Character spans [start, end) of the assistant turns in `text` (the full rendering) that carry
+    loss. Each span holds what the target wrote in its turn: the turn as the template renders it
+    when it is the last one. A turn the full rendering shows otherwise (an earlier turn whose
+    reasoning the template hides) has no span, and neither has a turn the template renders without
+    something it holds: such turns are left out of the loss (appended to `left_out` as (turn, why)),
+    never learned as shown. A turn that cannot be located is refused, never trained with a partial mask."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     tools = getattr(messages, "tools", None)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = try_render(tokenizer, messages[:i], True, tools)
-        upto = render_text(tokenizer, messages[: i + 1], tools=tools)
-        if prompt is not None and upto.startswith(prompt) and text.startswith(upto) and len(prompt) >= cursor:
-            start, end = len(prompt), max(len(prompt), len(upto.rstrip()))
+        start, own, want, dropped = _written_text(tokenizer, messages, i, tools)
+        if start >= cursor and text.startswith(own[:start + len(want)]):
+            span = (start, start + len(want))
         else:
-            found = _diff_span(tokenizer, messages, tools, text, i, cursor, upto) if has_chat_template(tokenizer) \
+            found = _diff_span(tokenizer, messages, tools, text, i, cursor, own) if has_chat_template(tokenizer) \
                 else None
-            start, end = found or _search_span(text, upto, m["content"], cursor, i)
-        spans.append((start, end))
-        cursor = end
+            if found is not None:
+                shown = text[found[0]:found[1]]  # gpt-oss: a past answer ends <|end|> where it wrote <|return|>
+                span = found if shown == want or (want.startswith(shown) and _holds(shown, m)) else None
+                why = "the history shows it otherwise than the target wrote it (e.g. its reasoning hidden)"
+                end = found[1]
+            else:  # no rendering isolates it: passed over only where the next message bounds it
+                span, why, end = None, "the history renders it apart from how the target wrote it", \
+                    _next_place(text, messages, i, cursor)
+                if end is None:
+                    raise ValueError(f"cannot locate assistant turn {i} in the rendered conversation (the chat "
+                                     f"template renders it differently when later turns follow, and no difference "
+                                     f"of renderings isolates it); refused rather than trained with a partial loss "
+                                     f"mask")
+            if span is None:
+                if left_out is not None:
+                    left_out.append((i, dropped or why))
+                bound = _next_place(text, messages, i, cursor)  # a difference may run past the next messages
+                cursor = max(cursor, end if bound is None else min(end, bound))
+                continue
+        if dropped is not None:  # found, but not as the target wrote it
+            if left_out is not None:
+                left_out.append((i, dropped))
+        else:
+            spans.append(span)
+        cursor = max(cursor, span[1])
     return spans
 
 
@@ -274,8 +447,19 @@ def render(tokenizer, messages: list[dict]) -> dict:
                       "'System: ...\\nUser: ...\\nAssistant: ...<eos>'. The drafter will then learn a "
                       "format the target may not use at inference; set tokenizer.chat_template to fix",
                       UserWarning, stacklevel=2)
-    text = render_text(tokenizer, messages)
-    spans = assistant_spans(tokenizer, messages, text)
+    try:
+        text = render_text(tokenizer, messages)
+        left_out: list[tuple[int, str]] = []
+        spans = assistant_spans(tokenizer, messages, text, left_out)
+        dropped = [why for _, why in left_out if "leaves out" in why]
+        if not spans and dropped:  # nothing the target wrote would be learned
+            raise ValueError(f"{dropped[0]}: a drafter would learn nothing the target wrote in this conversation; "
+                             f"pass --chat-template FILE with the target's own template, one that renders it")
+    except TemplateRefused:
+        raise
+    except ValueError as e:
+        where = getattr(messages, "where", None)
+        raise ValueError(f"{where}: {e}" if where else str(e)) from e
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     return {"input_ids": ids, "loss_mask": mask_from_offsets(enc["offset_mapping"], spans)}

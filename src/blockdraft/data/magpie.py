@@ -21,9 +21,11 @@ if should would could between using use want need help find show step steps exam
 def user_prefix(tokenizer) -> str:
     """The template's text in front of a user turn's content (for ChatML with a default system prompt:
     `<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n`)."""
-    if not getattr(tokenizer, "chat_template", None):
+    from .chat import has_chat_template, render_text
+
+    if not has_chat_template(tokenizer):
         raise ValueError("Magpie prompts need a chat template on the target's tokenizer")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False)
+    text = render_text(tokenizer, [{"role": "user", "content": MARK}])  # --chat-template's, where given
     if MARK not in text:
         raise ValueError("the chat template does not place the user's text where it can be found")
     return text[: text.index(MARK)]

@@ -49,6 +49,8 @@ def build_rows(tokenizer, path_or_dataset, max_length: int, *, skip_bad_lines: b
             try:
                 yield render(tok, messages)
             except ValueError as e:
+                if getattr(messages, "where", None):  # render named the record (file:line)
+                    raise
                 raise ValueError(f"conversation {i} (counting kept ones only) of {path_or_dataset!s:.200}: {e}") from e
 
     rows, pack_stats = pack(examples(), max_length, pad, return_stats=True)

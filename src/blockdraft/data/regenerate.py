@@ -197,10 +197,13 @@ def sampling_of(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> 
 
 
 def _settings(sampling: dict) -> dict:
-    """What keys an answer beside its prompt: the sampling and the template's thinking setting."""
-    from .chat import template_kwargs
+    """What keys an answer beside its prompt: the sampling, the template's thinking setting and the
+    --chat-template file's text (another template writes other prompts, so other answers)."""
+    from .chat import template_kwargs, template_override
 
-    return {**sampling, **template_kwargs()}
+    template = template_override()
+    return {**sampling, **template_kwargs(),
+            **({"chat_template": hashlib.sha256(template.encode()).hexdigest()[:16]} if template else {})}
 
 
 class _Conv:

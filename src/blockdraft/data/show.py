@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .chat import render, render_text
+from .chat import TemplateRefused, assistant_spans, render, render_text
 from .sources import load_conversations
 
 LEARNED = ("⟦", "⟧")
@@ -76,8 +76,15 @@ def show(tokenizer, path: str, n: int) -> str:
     convs, _ = load_conversations(path, skip_bad_lines=True)
     blocks = [f"{LEARNED[0]}...{LEARNED[1]} marks the tokens that carry loss"]
     for k, conv in enumerate(convs[:n]):
-        text = render_text(tokenizer, conv)
-        r = render(tokenizer, conv)
+        text = None
+        try:
+            text = render_text(tokenizer, conv)
+            r = render(tokenizer, conv)
+        except TemplateRefused:  # the template or a setting, not this record: every record alike
+            raise
+        except ValueError as e:  # this record: shown with why train refuses it, and the others still shown
+            blocks.append(f"--- record {k + 1} of {path}: train refuses it: {e}" + (f"\n{text}" if text else ""))
+            continue
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets, mask = enc["offset_mapping"], r["loss_mask"]
         found = regions(text, conv)
@@ -88,6 +95,9 @@ def show(tokenizer, path: str, n: int) -> str:
             got[0] += len(toks)
             got[1] += sum(toks)
         parts = ", ".join(f"{kind} {t} tokens ({l} learned)" for kind, (t, l) in counts.items())
+        left_out: list[tuple[int, str]] = []
+        assistant_spans(tokenizer, conv, text, left_out)
+        left = "".join(f"\n    message {i} carries no loss: {why}" for i, why in left_out)
         blocks.append(f"--- record {k + 1} of {path}: {len(mask)} tokens, {sum(mask)} learned"
-                      + (f"; {parts}" if parts else "") + "\n" + mark(text, _runs(offsets, mask), found))
+                      + (f"; {parts}" if parts else "") + left + "\n" + mark(text, _runs(offsets, mask), found))
     return "\n".join(blocks)

@@ -53,9 +53,10 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 class Conversation(list):
     """A conversation's messages, and the tools its record offers the model (None: none given)."""
 
-    def __init__(self, messages=(), tools: list | None = None):
+    def __init__(self, messages=(), tools: list | None = None, where: str | None = None):
         super().__init__(messages)
         self.tools = tools
+        self.where = where  # the record's place (file:line), where it was read from one
 
 
 def tools_of(messages) -> list | None:
@@ -149,6 +150,23 @@ def _json_field(text: str, what: str):
         raise BadRecord(f"{what} is a string but not JSON ({e.msg})") from None
 
 
+def _check_call(call: dict, what: str) -> None:
+    """A tool call as the OpenAI API writes it: {"function": {"name": str, "arguments": JSON object text or
+    an object}} (servers parse the text into the mapping templates read; text that is no JSON object has
+    no such mapping)."""
+    f = call.get("function")
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"].strip():
+        raise BadRecord(f"{what} has no 'function' object with a 'name' (OpenAI's tool_calls: "
+                        f'{{"type": "function", "function": {{"name": ..., "arguments": ...}}}}), got {call!r:.80}')
+    args = f.get("arguments", {})
+    if isinstance(args, str) and args.strip():
+        args = _json_field(args, f"{what}'s 'arguments'")
+    elif isinstance(args, str):
+        args = {}
+    if not isinstance(args, dict):
+        raise BadRecord(f"{what}'s 'arguments' must be a JSON object (or its text), got {args!r:.80}")
+
+
 def _written(turn: dict, role: str, i: int) -> dict:
     """The fields beside the content a chat template reads: an assistant turn's reasoning and tool
     calls, a tool turn's call id and name."""
@@ -163,6 +181,8 @@ def _written(turn: dict, role: str, i: int) -> dict:
         if calls:
             if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
                 raise BadRecord(f"message {i} has 'tool_calls' that is not a list of objects: {calls!r:.80}")
+            for k, call in enumerate(calls):
+                _check_call(call, f"message {i}'s tool call {k}")
             out["tool_calls"] = calls
     elif role == "tool":
         for key in ("tool_call_id", "name"):
@@ -354,6 +374,7 @@ def load_conversations(path_or_dataset, *, skip_bad_lines: bool = False,
         if require_assistant and not any(m["role"] == "assistant" for m in messages):
             stats.no_assistant += 1
             continue
+        messages.where = where  # named when a later step (the loss mask) refuses the record
         out.append(messages)
     if stats.read == 0:
         raise ValueError(f"{name} holds no records; it needs at least one conversation")
