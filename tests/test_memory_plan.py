@@ -177,6 +177,21 @@ TINY = dict(arch="qwen3", vocab=1024, layers=12, hidden=64, heads=4, kv_heads=2,
 TINY_FLAGS = "--draft-layers 1 --max-length 256 --batch-tokens 512 --draft-vocab full --sliding-window 0"
 
 
+def test_the_cuda_chunk_is_sized_for_the_wider_of_the_draft_and_label_rows():
+    """With a draft vocabulary, a chunk's label rows are the target's full head unless a feature
+    cache's stored argmax lets the head run on the draft rows alone: the chunk (and its bytes) follow."""
+    s = Shapes(**{**SMALL.__dict__, "slots": 10_000, "V": 50_000, "Vd": 10_000})
+    for cache, width in ((False, 50_000), (True, 10_000)):
+        p = step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB, features_cache=cache)
+        held = sum(p.parts.get(k, 0) for k in ("target", "drafter", "gradients", "optimizer", "autocast cache",
+                                                "cublas workspace", "activations", "labels", "block inputs", "masks"))
+        free = 80 * GIB - p.parts["cuda context"] - held
+        assert p.loss_chunk == loss_chunk_slots("cuda", width, free)
+        assert p.parts["loss chunk"] == p.loss_chunk * (10_000 * (2 + 12) + width * (2 * 2 + 12))
+    assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB).loss_chunk < \
+        step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB, features_cache=True).loss_chunk
+
+
 def test_plan_run_under_torchrun_and_without():
     cfg = memory_plan.config_of(TINY)
     run = memory_plan.run_config(TINY_FLAGS + " --fsdp --grad-accum 2")

@@ -132,17 +132,20 @@ def fixed_activation_bytes(s: Shapes, c: int) -> int:
     return s.T * s.features * c + s.T * s.Hd * (8 + c) + s.Q * s.Hd * 8 + s.slots * s.Hd * 4
 
 
-def loss_chunk_bytes(s: Shapes, c_target: int, chunk: int = LOSS_CHUNK) -> int:
+def loss_chunk_bytes(s: Shapes, c_target: int, chunk: int = LOSS_CHUNK, label_width: int | None = None) -> int:
     """One loss chunk's transient: its draft logits (and their fp32 softmax and gradient) and its
     label rows (the target's head on the chunk's final states, gathered per slot, upcast,
-    softmaxed); a chunk holds at most the step's S slots."""
-    return min(chunk, max(1, s.slots)) * (s.Vd * (c_target + 12) + s.V * (2 * c_target + 12))
+    softmaxed; `label_width` wide, default V); a chunk holds at most the step's S slots."""
+    lw = s.V if label_width is None else label_width
+    return min(chunk, max(1, s.slots)) * (s.Vd * (c_target + 12) + lw * (2 * c_target + 12))
 
 
-def plan_loss_chunk(s: Shapes, cuda: bool, free_bytes: int) -> int:
+def plan_loss_chunk(s: Shapes, cuda: bool, free_bytes: int, label_width: int | None = None) -> int:
     """The chunk train.loss.loss_chunk_slots picks: 256 on a CPU; on CUDA from the memory free when
-    the loss runs (`free_bytes`)."""
-    return chunk_slots(free_bytes, s.Vd) if cuda else LOSS_CHUNK
+    the loss runs (`free_bytes`), for the wider of the draft rows (Vd) and the label rows
+    (`label_width`, default V: the target's full head, unless a feature cache's argmax lets it run on
+    the draft vocabulary alone)."""
+    return chunk_slots(free_bytes, max(s.Vd, s.V if label_width is None else label_width)) if cuda else LOSS_CHUNK
 
 
 def target_forward_bytes(s: Shapes, c_target: int) -> int:
@@ -228,7 +231,7 @@ def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_p
         p.parts["target forward"] = target_forward_bytes(s, c_t)
     if cuda:
         _cuda_parts(p, world > 1 if grouped is None else grouped)
-    _finish(p, s, cuda, c_t, per_layer, device_bytes)
+    _finish(p, s, cuda, c_t, per_layer, device_bytes, s.Vd if features_cache else s.V)
     return p
 
 
@@ -273,7 +276,7 @@ def _cuda_parts(p: Plan, grouped: bool) -> None:
         p.parts["nccl buffers"] = NCCL_BUFFER * NCCL_CHANNELS
 
 
-def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_bytes: int) -> None:
+def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_bytes: int, label_width: int) -> None:
     """The loss chunk (sized from the memory left when the loss runs), the backward's transient, and
     the peak, reserved and total figures."""
     def total(names) -> int:
@@ -281,8 +284,8 @@ def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_byt
 
     static, outside = total(STATIC_PARTS), total(OUTSIDE_PARTS)
     held = static + total(("activations", "labels", "block inputs", "masks", "autocast cache"))
-    p.loss_chunk = plan_loss_chunk(s, cuda, device_bytes - outside - held)
-    p.parts["loss chunk"] = loss_chunk_bytes(s, c_t, p.loss_chunk)
+    p.loss_chunk = plan_loss_chunk(s, cuda, device_bytes - outside - held, label_width)
+    p.parts["loss chunk"] = loss_chunk_bytes(s, c_t, p.loss_chunk, label_width)
     backward = per_layer // 2 + p.parts["loss chunk"]  # one layer's gradients in flight
     p.parts["backward transient"] = backward
     drafter_side = held - static + max(p.parts["loss chunk"], backward)

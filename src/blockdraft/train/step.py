@@ -212,7 +212,11 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     g = default_gamma(drafter.block_size) if gamma is None else gamma
     # the [S, Vd] draft logits are made one chunk of slots at a time
     # (as many slots per chunk as the device's free memory allows: 256 on a CPU)
-    width = len(rows) if rows is not None else target.vocab_size  # the head's vocabulary
+    # the chunk's widest rows: the draft head's, or the label rows' (full width unless the full argmax is known)
+    lab = p.target_logits
+    width = max(len(rows) if rows is not None else target.vocab_size,
+                0 if lab.logits is None and lab.hidden is None else
+                len(rows) if lab.top is not None and rows is not None else target.vocab_size)
     return dflash_loss_chunked(hidden[p.supervised], None, p.target_logits, p.supervised, gamma=g, kind=loss,
                                draft_vocab=rows, chunk=loss_chunk_slots(hidden.device, width),
                                sync_metrics=sync_metrics, terms=terms, prev=p.prev, host_supervised=p.host_supervised)
