@@ -325,9 +325,12 @@ def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: t
     dpace = isinstance(gamma, DPace)
     fixed = None if dpace else slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
     need_rows = kind != "hard" or terms.reads_label_rows or lab.top is None
-    host_sup = None
+    host_sup = where = None
     if dpace:
         host_sup = (supervised if host_supervised is None else host_supervised).cpu()
+        # each slot's place in the flat [N * B] mask, from the host: a chunk scatters its confidences and
+        # gathers its weights by index, not by a boolean mask (each a device read on CUDA)
+        where = host_sup.reshape(-1).nonzero()[:, 0].to(supervised.device, non_blocking=True)
 
     def share(h, span):
         """The chunk of slots i..j (blocks b..e under D-PACE): its weighted loss, and per slot the
@@ -345,10 +348,10 @@ def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: t
             w = w * torch.isin(top, draft_vocab)
         plain = w  # what a kind's added term weighs its slots by (under D-PACE too)
         if dpace:
-            sup = supervised[b:e]
-            q = torch.zeros(sup.shape, dtype=torch.float32, device=h.device)
-            q[sup] = _confidence(draft, top, draft_vocab)
-            w = dpace_weights(q, sup, gamma.alpha)[sup] * w
+            at = where[i:j] - b * B  # the chunk's slots in its blocks' flat [e - b, B]
+            q = torch.zeros((e - b) * B, dtype=torch.float32, device=h.device)
+            q[at] = _confidence(draft, top, draft_vocab)
+            w = dpace_weights(q.view(e - b, B), supervised[b:e], gamma.alpha).reshape(-1)[at] * w
         per = slot_losses(draft, t, kind, _draft_column(top, draft_vocab))
         added, picked = terms.added(draft, t, h, prev[i:j], top)
         picked = to_target_ids(draft.argmax(-1), draft_vocab) if picked is None else picked
