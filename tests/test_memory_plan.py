@@ -149,13 +149,12 @@ def test_no_part_holds_the_labels_for_every_position_and_vocabulary_entry():
             grew = {k for k in p.parts if wide.parts[k] != p.parts[k]}
             assert grew <= {"loss chunk", "backward transient"}, grew
             # the chunk: a fixed number of slots, each a draft and a label row of the vocabulary
-            assert wide.parts["loss chunk"] == 12 * 50_000 * ((c + 12) + (2 * c + 12))
+            assert wide.parts["loss chunk"] == 12 * 50_000 * (c + 12) * 2
 
 
 def test_the_loss_term_follows_the_chunk():
     s = Shapes(**{**SMALL.__dict__, "slots": 10_000, "V": 50_000, "Vd": 50_000})
-    per_slot = 50_000 * ((2 + 12) + (2 * 2 + 12))  # a draft row (bf16 and fp32 work), a label row (the head's and
-    # its per-slot copy, bf16, and fp32 work)
+    per_slot = 50_000 * (2 + 12) * 2  # draft and label rows, bf16 plus their fp32 work
     outside = ("cuda context", "nccl buffers")
     before_loss = ("target", "drafter", "gradients", "optimizer", "autocast cache", "cublas workspace",
                    "activations", "labels", "block inputs", "masks")
@@ -169,8 +168,8 @@ def test_the_loss_term_follows_the_chunk():
     assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB).loss_chunk == 4352
     assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=10**15).loss_chunk == 8192
     cpu = step_plan(s, **WEIGHTS, cuda=False, device_bytes=10**15)
-    assert cpu.loss_chunk == 256 and cpu.parts["loss chunk"] == 256 * 50_000 * ((4 + 12) + (8 + 12))
-    assert small_plan(cuda=False).parts["loss chunk"] == 12 * 1000 * (16 + 20)  # a chunk holds at most S slots
+    assert cpu.loss_chunk == 256 and cpu.parts["loss chunk"] == 256 * 50_000 * (4 + 12) * 2
+    assert small_plan(cuda=False).parts["loss chunk"] == 12 * 1000 * 16 * 2  # a chunk holds at most S slots
 
 
 TINY = dict(arch="qwen3", vocab=1024, layers=12, hidden=64, heads=4, kv_heads=2, intermediate=128, head_dim=16)
@@ -187,7 +186,7 @@ def test_the_cuda_chunk_is_sized_for_the_wider_of_the_draft_and_label_rows():
                                                 "cublas workspace", "activations", "labels", "block inputs", "masks"))
         free = 80 * GIB - p.parts["cuda context"] - held
         assert p.loss_chunk == loss_chunk_slots("cuda", width, free)
-        assert p.parts["loss chunk"] == p.loss_chunk * (10_000 * (2 + 12) + width * (2 * 2 + 12))
+        assert p.parts["loss chunk"] == p.loss_chunk * (10_000 + width) * (2 + 12)
     assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB).loss_chunk < \
         step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB, features_cache=True).loss_chunk
 

@@ -134,10 +134,11 @@ def fixed_activation_bytes(s: Shapes, c: int) -> int:
 
 def loss_chunk_bytes(s: Shapes, c_target: int, chunk: int = LOSS_CHUNK, label_width: int | None = None) -> int:
     """One loss chunk's transient: its draft logits (and their fp32 softmax and gradient) and its
-    label rows (the target's head on the chunk's final states, gathered per slot, upcast,
-    softmaxed; `label_width` wide, default V); a chunk holds at most the step's S slots."""
+    label rows (the target's head on the span of final states the chunk reads, gathered per slot,
+    and freed before the draft logits are made; then upcast, softmaxed; `label_width` wide,
+    default V); a chunk holds at most the step's S slots."""
     lw = s.V if label_width is None else label_width
-    return min(chunk, max(1, s.slots)) * (s.Vd * (c_target + 12) + lw * (2 * c_target + 12))
+    return min(chunk, max(1, s.slots)) * (s.Vd * (c_target + 12) + lw * (c_target + 12))
 
 
 def plan_loss_chunk(s: Shapes, cuda: bool, free_bytes: int, label_width: int | None = None) -> int:
