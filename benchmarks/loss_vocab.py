@@ -65,12 +65,11 @@ def measure(spec: dict) -> dict:
             "slots": m["supervised_slots"]}
 
 
-def before_tree(rev: str) -> tuple[str, str]:
-    """`rev`'s src/ unpacked into a temporary directory: (its path, the full commit hash)."""
+def before_tree(rev: str, where: str) -> tuple[str, str]:
+    """`rev`'s src/ unpacked into the directory `where`: (its path, the full commit hash)."""
     full = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True, capture_output=True,
                           text=True).stdout.strip()
     blob = subprocess.run(["git", "-C", str(ROOT), "archive", full, "src"], check=True, capture_output=True).stdout
-    where = tempfile.mkdtemp(prefix="loss-vocab-before-")
     with tarfile.open(fileobj=BytesIO(blob)) as tar:
         tar.extractall(where, filter="data")
     return str(Path(where) / "src"), full
@@ -95,7 +94,11 @@ def main(argv=None):
     if a.measure:
         print(json.dumps(measure(json.loads(a.measure))))
         return None
-    old_src, old_rev = before_tree(a.before)
+    with tempfile.TemporaryDirectory(prefix="loss-vocab-before-") as where:
+        return compare(a, argv, *before_tree(a.before, where))
+
+
+def compare(a, argv, old_src: str, old_rev: str) -> dict:
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True, capture_output=True,
                           text=True).stdout.strip()
     rows = []
@@ -112,8 +115,10 @@ def main(argv=None):
                           f"step {got['seconds']:.2f} s, loss {got['loss']:.6f}", flush=True)
     res = {"command": "python benchmarks/loss_vocab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "before": old_rev, "after": head, "spec": SPEC, "budget_bytes": BUDGET, "threads": 1, "rows": rows}
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    if a.json:  # whole or not at all: a crash or a full disk leaves the last file as it was
+        tmp = Path(a.json).with_name(Path(a.json).name + ".tmp")
+        tmp.write_text(json.dumps(res, indent=1) + "\n")
+        os.replace(tmp, a.json)
     return res
 
 
