@@ -222,3 +222,29 @@ def test_a_hard_loss_from_stored_outputs_runs_no_label_head(monkeypatch):
     calls.clear()
     compute_loss(t, d, b, loss="soft", cached=cached, generator=torch.Generator().manual_seed(1))
     assert calls.count(False) == 1  # the soft loss reads the label rows: one head over them
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_a_chunks_label_rows_are_the_heads_rows_of_its_slots(host):
+    """Labels.rows(i, j): the head on the span of final states slots i..j read (each row once) or, with
+    no host index, on each slot's row; against the head on every state, indexed per slot."""
+    from blockdraft.train.loss import Labels
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(30, 8, generator=g), torch.randn(50, 8, generator=g)
+    # overlapping blocks (rows repeat and step back), a run of consecutive rows, a single slot
+    index = torch.tensor([0, 1, 2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 11, 29])
+    calls = []
+
+    def head(h):
+        calls.append(h.shape[0])
+        return h @ weight.T
+
+    lab = Labels(None, index, None, hidden, head, index.clone() if host else None)
+    every = hidden @ weight.T
+    for i, j in [(0, 6), (5, 12), (6, 11), (12, 14), (12, 15), (14, 15), (0, 15)]:  # (12, 14): two rows, reversed
+        calls.clear()
+        torch.testing.assert_close(lab.rows(i, j), every[index[i:j]], rtol=1e-6, atol=1e-6)
+        want = int(index[i:j].max() - index[i:j].min()) + 1 if host else j - i
+        assert calls == [want]  # one head over the span, or over the slots
+    torch.testing.assert_close(lab.per_slot(), every[index], rtol=1e-6, atol=1e-6)
