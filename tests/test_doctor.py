@@ -92,6 +92,8 @@ def test_labels_check_catches_a_doubled_norm(monkeypatch):
         final = t.model.model(a[0], position_ids=k.get("position_ids")).last_hidden_state
         keep = k.get("logits_mask")
         out.logits = t.head(t.model.model.norm(final))[keep] if keep is not None else out.logits
+        if out.final_hidden is not None:  # the states training's labels are the head of
+            out.final_hidden = t.model.model.norm(out.final_hidden)
         return out
 
     monkeypatch.setattr(t, "forward", doubled)

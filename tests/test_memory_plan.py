@@ -1,7 +1,7 @@
 """The memory plan (blockdraft.plan, benchmarks/memory_plan.py) against measurements: the tensors
 autograd keeps for a step (fp32 and bf16 autocast), and the peak resident set of real optimizer
-steps at small shapes, a large vocabulary among them (a per-slot copy of the labels doubles that
-one's peak: the plan's [P, V] labels are all the step may hold). The README's GPU commands fit."""
+steps at small shapes, a large vocabulary among them (the labels are the target's final states at
+the label positions; the vocabulary enters only through a loss chunk). The README's GPU commands fit."""
 
 from __future__ import annotations
 
@@ -100,11 +100,9 @@ def test_nccl_buffers_with_a_process_group():
 
 def test_reserved_is_the_allocated_peak_with_its_reserve():
     p = small_plan(cuda=True)
-    # the largest block: a loss chunk's fp32 rows, 12 slots x 1000 x 4 (the labels are 12 x 1000 x 2,
+    # the largest block: a loss chunk's fp32 rows, 12 slots x 1000 x 4 (its label rows are 12 x 1000 x 2,
     # fc's features 64 x 96 x 2)
     assert p.reserved == int(p.peak * 1.1) + 12 * 1000 * 4 > p.peak
-    p = small_plan(cuda=True, full_target_logits=True)
-    assert p.reserved == int(p.peak * 1.1) + 64 * 1000 * 2  # the target's full logits
     assert p.gib()["reserved"] == p.reserved / GIB and p.gib()["total"] == p.total / GIB
     assert "reserved per rank" in p.table() and p.fits(p.total / GIB) and not p.fits(p.total / GIB - 0.01)
 
@@ -138,13 +136,20 @@ def test_autocast_cache_without_fsdp_bf16_gathers_with_it():
     assert "autocast cache" not in small_plan(cuda=False).parts
 
 
-def test_the_targets_full_logits_without_a_boolean_logits_to_keep():
-    assert small_plan(cuda=True, full_target_logits=True).parts["target full logits"] == 1 * 64 * 1000 * 2
-    assert small_plan(cuda=False, full_target_logits=True).parts["target full logits"] == 1 * 64 * 1000 * 4
-    assert "target full logits" not in small_plan(cuda=True).parts
-    assert "target full logits" not in small_plan(cuda=True, full_target_logits=True, features_cache=True).parts
-    base, full = small_plan(cuda=True), small_plan(cuda=True, full_target_logits=True)
-    assert full.peak >= base.peak
+def test_no_part_holds_the_labels_for_every_position_and_vocabulary_entry():
+    """The labels are the target's final states at the label positions [P, Ht] (the head runs in each
+    loss chunk): past the chunk, no part grows with the vocabulary, with or without a feature cache."""
+    for cache in (False, True):
+        for cuda in (False, True):
+            c = 2 if cuda else 4
+            p = small_plan(cuda=cuda, features_cache=cache)
+            assert p.parts["labels"] == 12 * 32 * c
+            wide = step_plan(Shapes(**{**SMALL.__dict__, "V": 1000 * 50, "Vd": 1000 * 50}), **WEIGHTS, cuda=cuda,
+                             features_cache=cache)
+            grew = {k for k in p.parts if wide.parts[k] != p.parts[k]}
+            assert grew <= {"loss chunk", "backward transient"}, grew
+            # the chunk: a fixed number of slots, each a draft and a label row of the vocabulary
+            assert wide.parts["loss chunk"] == 12 * 50_000 * (c + 12) * 2
 
 
 def test_the_loss_term_follows_the_chunk():
@@ -171,6 +176,21 @@ TINY = dict(arch="qwen3", vocab=1024, layers=12, hidden=64, heads=4, kv_heads=2,
 TINY_FLAGS = "--draft-layers 1 --max-length 256 --batch-tokens 512 --draft-vocab full --sliding-window 0"
 
 
+def test_the_cuda_chunk_is_sized_for_the_wider_of_the_draft_and_label_rows():
+    """With a draft vocabulary, a chunk's label rows are the target's full head unless a feature
+    cache's stored argmax lets the head run on the draft rows alone: the chunk (and its bytes) follow."""
+    s = Shapes(**{**SMALL.__dict__, "slots": 10_000, "V": 50_000, "Vd": 10_000})
+    for cache, width in ((False, 50_000), (True, 10_000)):
+        p = step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB, features_cache=cache)
+        held = sum(p.parts.get(k, 0) for k in ("target", "drafter", "gradients", "optimizer", "autocast cache",
+                                                "cublas workspace", "activations", "labels", "block inputs", "masks"))
+        free = 80 * GIB - p.parts["cuda context"] - held
+        assert p.loss_chunk == loss_chunk_slots("cuda", width, free)
+        assert p.parts["loss chunk"] == p.loss_chunk * (10_000 + width) * (2 + 12)
+    assert step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB).loss_chunk < \
+        step_plan(s, **WEIGHTS, cuda=True, device_bytes=80 * GIB, features_cache=True).loss_chunk
+
+
 def test_plan_run_under_torchrun_and_without():
     cfg = memory_plan.config_of(TINY)
     run = memory_plan.run_config(TINY_FLAGS + " --fsdp --grad-accum 2")
@@ -180,16 +200,3 @@ def test_plan_run_under_torchrun_and_without():
     one = plan_run(cfg, run, world=1, cuda=True, torchrun=True)  # a group of one: FSDP and NCCL for real
     assert one.parts["nccl buffers"] == 128 * MIB and "bf16 gathers" in one.parts and "autocast cache" not in one.parts
     assert one.parts["unsharded gradients"] == one.parts["drafter"]  # world 1: the shard is the whole
-
-
-def test_plan_run_asks_the_installed_transformers_for_a_boolean_logits_to_keep(monkeypatch):
-    import blockdraft.target.model
-
-    cfg, run = memory_plan.config_of(TINY), memory_plan.run_config(TINY_FLAGS)
-    full = 2 * 256 * 1024 * 2  # 2 rows x 256 tokens x the vocabulary, bf16
-    assert plan_run(cfg, run, bool_logits_to_keep=False).parts["target full logits"] == full
-    assert "target full logits" not in plan_run(cfg, run, bool_logits_to_keep=True).parts
-    monkeypatch.setattr(blockdraft.target.model, "mask_keep_supported", lambda: False)
-    assert plan_run(cfg, run).parts["target full logits"] == full
-    monkeypatch.setattr(blockdraft.target.model, "mask_keep_supported", lambda: True)
-    assert "target full logits" not in plan_run(cfg, run).parts

@@ -132,23 +132,29 @@ def fixed_activation_bytes(s: Shapes, c: int) -> int:
     return s.T * s.features * c + s.T * s.Hd * (8 + c) + s.Q * s.Hd * 8 + s.slots * s.Hd * 4
 
 
-def loss_chunk_bytes(s: Shapes, c_target: int, chunk: int = LOSS_CHUNK) -> int:
+def loss_chunk_bytes(s: Shapes, c_target: int, chunk: int = LOSS_CHUNK, label_width: int | None = None) -> int:
     """One loss chunk's transient: its draft logits (and their fp32 softmax and gradient) and its
-    label rows (gathered, upcast, softmaxed); a chunk holds at most the step's S slots."""
-    return min(chunk, max(1, s.slots)) * (s.Vd * (c_target + 12) + s.V * (c_target + 12))
+    label rows (the target's head on the span of final states the chunk reads, gathered per slot,
+    and freed before the draft logits are made; then upcast, softmaxed; `label_width` wide,
+    default V); a chunk holds at most the step's S slots."""
+    lw = s.V if label_width is None else label_width
+    return min(chunk, max(1, s.slots)) * (s.Vd * (c_target + 12) + lw * (c_target + 12))
 
 
-def plan_loss_chunk(s: Shapes, cuda: bool, free_bytes: int) -> int:
+def plan_loss_chunk(s: Shapes, cuda: bool, free_bytes: int, label_width: int | None = None) -> int:
     """The chunk train.loss.loss_chunk_slots picks: 256 on a CPU; on CUDA from the memory free when
-    the loss runs (`free_bytes`)."""
-    return chunk_slots(free_bytes, s.Vd) if cuda else LOSS_CHUNK
+    the loss runs (`free_bytes`), for the wider of the draft rows (Vd) and the label rows
+    (`label_width`, default V: the target's full head, unless a feature cache's argmax lets it run on
+    the draft vocabulary alone)."""
+    return chunk_slots(free_bytes, max(s.Vd, s.V if label_width is None else label_width)) if cuda else LOSS_CHUNK
 
 
 def target_forward_bytes(s: Shapes, c_target: int) -> int:
     """The frozen target's forward under no_grad: one layer's transients over T tokens, the
-    per-row attention masks of packed documents, the captured feature layers."""
+    per-row attention masks of packed documents, the captured feature layers, the final normed
+    states of every position (its head does not run: the loss runs it on the label rows)."""
     return (s.T * (6 * s.target_hidden + 3 * s.target_intermediate) * c_target + s.rows * s.L * s.L
-            + s.T * s.features * c_target)
+            + s.T * s.features * c_target + s.T * s.target_hidden * c_target)
 
 
 @dataclass
@@ -194,14 +200,14 @@ def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_p
               features_cache: bool = False, backend: str | None = None,
               chunks: list[tuple[int, int]] | None = None, target_shards: int = 1, target_layer_params: int = 0,
               target_largest_layer: int = 0, grad_accum: int = 1, grouped: bool | None = None,
-              device_bytes: int = H200_BYTES, full_target_logits: bool = False) -> Plan:
+              device_bytes: int = H200_BYTES) -> Plan:
     """Peak bytes per rank of one training step and what makes them up. `target_shards` > 1: the
     target's decoder layers (`target_layer_params` in all) sharded over that many ranks, one
     layer (and the next, prefetched) gathered whole at a time (--target-fsdp). `fsdp`: the drafter
     runs under FSDP2 (also on one rank, under torchrun); `grad_accum` micro-batches per optimizer
     step; `grouped`: a process group exists (default: world > 1); `device_bytes`: the device's
-    memory (sizes the CUDA loss chunk); `full_target_logits`: the target makes its [Bz, T, V]
-    logits before the label rows are picked (a transformers without a boolean logits_to_keep)."""
+    memory (sizes the CUDA loss chunk). No [P, V] or [T, V] tensor is counted: the labels are the
+    target's final states at the P label positions, its head run in each loss chunk."""
     c = 2 if cuda else 4  # bf16 autocast on CUDA; fp32 on the CPU
     c_t = c  # the frozen target's dtype (target/files.py: default_dtype)
     backend = backend or ("flex" if cuda else "chunked")
@@ -215,10 +221,7 @@ def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_p
     else:
         acts = s.layers * per_layer
     p.parts["activations"] = acts + fixed_activation_bytes(s, c)
-    labels = s.label_positions * s.V * c_t  # the target's logits once per distinct position, [P, V]
-    if features_cache:  # the head runs on the stored final states [P, Ht]
-        labels += s.label_positions * s.target_hidden * c_t
-    p.parts["labels"] = labels
+    p.parts["labels"] = s.label_positions * s.target_hidden * c_t  # the final states [P, Ht] the loss's head reads
     p.parts["block inputs"] = s.Q * s.Hd * (c_t + 4)
     if backend == "flex":
         qt, kt = math.ceil(s.Q / 128), math.ceil((s.T + s.Q) / 128)
@@ -227,11 +230,9 @@ def step_plan(s: Shapes, *, target_params: int, head_only_params: int, drafter_p
         p.parts["masks"] = 0  # the chunked path's masks are counted in its layers
     if not features_cache:
         p.parts["target forward"] = target_forward_bytes(s, c_t)
-        if full_target_logits:  # [Bz, T, V] from the head, then the label rows picked from it
-            p.parts["target full logits"] = s.T * s.V * c_t
     if cuda:
         _cuda_parts(p, world > 1 if grouped is None else grouped)
-    _finish(p, s, cuda, c_t, per_layer, device_bytes)
+    _finish(p, s, cuda, c_t, per_layer, device_bytes, s.Vd if features_cache else s.V)
     return p
 
 
@@ -276,7 +277,7 @@ def _cuda_parts(p: Plan, grouped: bool) -> None:
         p.parts["nccl buffers"] = NCCL_BUFFER * NCCL_CHANNELS
 
 
-def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_bytes: int) -> None:
+def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_bytes: int, label_width: int) -> None:
     """The loss chunk (sized from the memory left when the loss runs), the backward's transient, and
     the peak, reserved and total figures."""
     def total(names) -> int:
@@ -284,12 +285,12 @@ def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_byt
 
     static, outside = total(STATIC_PARTS), total(OUTSIDE_PARTS)
     held = static + total(("activations", "labels", "block inputs", "masks", "autocast cache"))
-    p.loss_chunk = plan_loss_chunk(s, cuda, device_bytes - outside - held)
-    p.parts["loss chunk"] = loss_chunk_bytes(s, c_t, p.loss_chunk)
+    p.loss_chunk = plan_loss_chunk(s, cuda, device_bytes - outside - held, label_width)
+    p.parts["loss chunk"] = loss_chunk_bytes(s, c_t, p.loss_chunk, label_width)
     backward = per_layer // 2 + p.parts["loss chunk"]  # one layer's gradients in flight
     p.parts["backward transient"] = backward
     drafter_side = held - static + max(p.parts["loss chunk"], backward)
-    target_side = total(("target forward", "labels", "target full logits")) if "target forward" in p.parts else 0
+    target_side = total(("target forward", "labels")) if "target forward" in p.parts else 0
     p.peak = static + max(drafter_side, target_side)
     p.reserved = int(p.peak * RESERVE_FACTOR) + largest_block_bytes(p, s, c_t) if cuda else p.peak
     p.total = p.reserved + outside
@@ -297,11 +298,10 @@ def _finish(p: Plan, s: Shapes, cuda: bool, c_t: int, per_layer: int, device_byt
 
 def largest_block_bytes(p: Plan, s: Shapes, c_t: int) -> int:
     """The largest tensor a step frees and makes again, for which the caching allocator may have to
-    reserve a fresh segment: the target's full logits, the [P, V] labels, fc's input features or a
-    loss chunk's rows (fp32 draft rows, or the gathered label rows)."""
+    reserve a fresh segment: fc's input features or a loss chunk's rows (fp32 draft rows, or the label
+    rows)."""
     chunk = min(p.loss_chunk, max(1, s.slots))
-    return max(p.parts.get("target full logits", 0), s.label_positions * s.V * c_t, s.T * s.features * c_t,
-               chunk * max(s.Vd * 4, s.V * c_t))
+    return max(s.T * s.features * c_t, chunk * max(s.Vd * 4, s.V * c_t))
 
 
 # ------------------------------------------------------------------------ from configs and flags
@@ -343,17 +343,13 @@ def drafter_sizes(drafter_config) -> dict:
 
 
 def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids: list[int] | None = None,
-             torchrun: bool = False, device_bytes: int = H200_BYTES, bool_logits_to_keep: bool | None = None) -> Plan:
+             torchrun: bool = False, device_bytes: int = H200_BYTES) -> Plan:
     """The plan of `blockdraft train` with this RunConfig on a target with this config. `torchrun`:
     launched by torchrun, which makes a process group even for one GPU (NCCL's buffers; --fsdp
-    shards over that one rank); `device_bytes`: each GPU's memory (default an H200's);
-    `bool_logits_to_keep`: whether the transformers to plan for takes a boolean logits_to_keep
-    (default: ask the installed one, target/model.py: mask_keep_supported); without it the target's full
-    logits are made before the label rows are picked."""
+    shards over that one rank); `device_bytes`: each GPU's memory (default an H200's)."""
     from types import SimpleNamespace
 
     from .config import DrafterConfig, default_target_layer_ids
-    from .target.model import mask_keep_supported
 
     t = target_sizes(target_config)
     ids = layer_ids or run.target.layer_ids or default_target_layer_ids(t["layers"], run.target.num_features)
@@ -373,13 +369,12 @@ def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids
                features=len(ids) * t["hidden"], V=t["vocab"], Vd=vocab or t["vocab"], target_hidden=t["hidden"],
                target_intermediate=t["intermediate"], sliding_kinds=kinds)
     tr, grouped = run.train, world > 1 or torchrun
-    keep_mask = mask_keep_supported() if bool_logits_to_keep is None else bool_logits_to_keep
     p = step_plan(s, target_params=t["params"], head_only_params=t["head_only"], drafter_params=d["params"],
                   unit_params=d["unit"], cuda=cuda, world=world, fsdp=tr.fsdp and grouped,
                   gradient_checkpointing=tr.gradient_checkpointing, features_cache=bool(run.data.features_cache),
                   target_shards=world if run.target.target_fsdp else 1, target_layer_params=t["layer_params"],
                   target_largest_layer=t["largest_layer"], grad_accum=tr.grad_accum, grouped=grouped,
-                  device_bytes=device_bytes, full_target_logits=not keep_mask)
+                  device_bytes=device_bytes)
     p.drafter_params = d["params"]
     p.notes.append(f"{rows} rows x {L} tokens per micro-batch, {s.blocks} blocks of {B}, drafter "
                    f"{d['params'] / 1e9:.2f}B params, target {t['params'] / 1e9:.2f}B")

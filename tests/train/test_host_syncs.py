@@ -13,7 +13,7 @@ from conftest import tiny_rows, tiny_target
 from cuda_shim import CudaPlacement
 
 
-def syncs(rows: int, block: int, cached: bool) -> dict:
+def syncs(rows: int, block: int, cached: bool, gamma=None, loss: str = "kl") -> dict:
     t = tiny_target("llama")
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=block, draft_vocab_size=64))
@@ -28,7 +28,8 @@ def syncs(rows: int, block: int, cached: bool) -> dict:
             stored = FeatureMemo(t, r)(torch.arange(rows))
         batch = Batch(r["input_ids"], r["loss_mask"], r["position_ids"], r["document_ids"])
         mode.syncs.clear()
-        loss, m = compute_loss(t, d, batch, max_anchors=8, generator=torch.Generator().manual_seed(0), cached=stored)
+        loss, m = compute_loss(t, d, batch, max_anchors=8, generator=torch.Generator().manual_seed(0), cached=stored,
+                               gamma=gamma, loss=loss)
         loss.backward()
     assert m["blocks"] >= rows  # every row anchored some blocks
     return mode.syncs
@@ -38,6 +39,21 @@ def syncs(rows: int, block: int, cached: bool) -> dict:
 def test_a_step_reads_the_device_a_fixed_number_of_times(cached):
     small, large = syncs(1, 4, cached), syncs(4, 8, cached)
     assert small == large, (small, large)  # not per row, not per slot
+    assert sum(large.values()) <= 7, large
+
+
+@pytest.mark.parametrize("loss", ["kl", "hard"])
+@pytest.mark.parametrize("weighting", ["gamma", "dpace"])
+def test_nor_per_loss_chunk(loss, weighting, monkeypatch):
+    """Chunks of 6 slots: the larger batch runs several times the smaller one's chunks (of whole
+    blocks under D-PACE) and reads the device as often."""
+    import blockdraft.train.step as step_mod
+    from blockdraft.train.loss import DPace
+
+    monkeypatch.setattr(step_mod, "loss_chunk_slots", lambda device, width: 6)
+    gamma = DPace(0.5) if weighting == "dpace" else 3.0
+    small, large = syncs(1, 4, False, gamma, loss), syncs(4, 8, False, gamma, loss)
+    assert small == large, (small, large)
     assert sum(large.values()) <= 7, large
 
 

@@ -62,8 +62,10 @@ def _step_inputs(draft_vocab: int | None):
 
 @pytest.mark.parametrize("draft_vocab", [None, 64])
 def test_compute_loss_runs_the_chunk_sized_for_its_device(monkeypatch, draft_vocab):
-    """compute_loss asks loss_chunk_slots with the hidden states' device and the head's width, and
-    runs that chunk: 256 on a CPU; any other chunk gives the same loss."""
+    """compute_loss asks loss_chunk_slots with the hidden states' device and the widest rows a chunk
+    makes (the draft head's, or the label rows': the target's full head, whose argmax the labels
+    need, with or without a draft vocabulary), and runs that chunk: 256 on a CPU; any other chunk
+    gives the same loss."""
     t, d, batch = _step_inputs(draft_vocab)
     asked, ran = [], []
     real_slots, real_loss = step_mod.loss_chunk_slots, step_mod.dflash_loss_chunked
@@ -80,7 +82,7 @@ def test_compute_loss_runs_the_chunk_sized_for_its_device(monkeypatch, draft_voc
     monkeypatch.setattr(step_mod, "dflash_loss_chunked", chunked)
     kw = dict(max_anchors=6, generator=torch.Generator().manual_seed(0))
     loss, m = compute_loss(t, d, batch, **kw)
-    assert asked == [("cpu", draft_vocab or V)] and ran == [256]
+    assert asked == [("cpu", V)] and ran == [256]
     assert m["supervised_slots"] > 5
     monkeypatch.setattr(step_mod, "loss_chunk_slots", lambda device, vocab, free_bytes=None: 5)
     kw["generator"] = torch.Generator().manual_seed(0)

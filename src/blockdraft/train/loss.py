@@ -11,7 +11,7 @@ not supervised ends the run, since it cannot be verified).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,21 +94,41 @@ class RestrictedLabels(NamedTuple):
 
 
 class Labels(NamedTuple):
-    """The target's label logits once per distinct label position, and which of them each supervised
-    slot reads (overlapping blocks share positions). Slots pick their row inside each loss chunk,
-    so no [S, V] copy exists (DESIGN.md section 5, rule 3).
+    """The target's labels once per distinct label position, and which of them each supervised slot
+    reads (overlapping blocks share positions). Slots pick their row inside each loss chunk, so no
+    [S, V] copy exists (DESIGN.md section 5, rule 3).
 
-    logits [P, V] (or [P, Vd], already restricted to the draft vocabulary: then `top`, the
-    full-vocabulary argmax [P], is required; or None when the loss needs only `top`: the hard loss
-    of a kind whose added terms read no label row); index [S] row of `logits` per supervised slot."""
+    Either `logits` [P, V] (or [P, Vd], already restricted to the draft vocabulary: then `top`, the
+    full-vocabulary argmax [P], is required), or `hidden` [P, Ht], the target's final normed states
+    at those positions, with `head` (its own head: rows -> logits, restricted likewise when `top` is
+    given), which the loss runs one chunk of slots at a time, so no [P, V] tensor exists either; or
+    neither, when the loss needs only `top`: the hard loss of a kind whose added terms read no label
+    row. `index` [S] row per supervised slot; `host_index` the same on the host (lets each chunk run
+    the head on the span of rows it reads without a device read; without it, once per slot)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     index: torch.Tensor
     top: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    host_index: torch.Tensor | None = None
+
+    def rows(self, i: int, j: int) -> torch.Tensor | None:
+        """The label logits of slots i..j-1 [j - i, V'] (None without logits or states), made now."""
+        if self.hidden is None:
+            return None if self.logits is None else self.logits[self.index[i:j]]
+        with torch.no_grad():
+            if self.host_index is None:
+                return self.head(self.hidden[self.index[i:j]])
+            part = self.host_index[i:j]
+            lo, hi = int(part.min()), int(part.max()) + 1
+            made = self.head(self.hidden[lo:hi])  # the rows this chunk spans, each once
+            return made if hi - lo == j - i and bool((part == torch.arange(lo, hi)).all()) \
+                else made[self.index[i:j] - lo]
 
     def per_slot(self) -> torch.Tensor:
         """[S, V] one row per supervised slot (tests and checks; training never builds it)."""
-        return self.logits[self.index]
+        return self.rows(0, self.index.shape[0])
 
 
 def as_labels(target_logits) -> Labels:
@@ -131,6 +151,9 @@ def _weighted_parts(target_logits, supervised, gamma, kind, draft_vocab):
     else:
         w = slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
     lab = as_labels(target_logits)
+    if lab.hidden is not None:  # the unchunked loss: every label row at once
+        with torch.no_grad():
+            lab = Labels(lab.head(lab.hidden), lab.index, lab.top)
     restricted = lab.top is not None
     if lab.logits is None and (lab.top is None or kind != "hard"):
         raise ValueError(f"labels without logits carry only the target's argmax: the {kind!r} loss needs its logits")
@@ -271,62 +294,112 @@ def loss_chunk_slots(device, vocab: int, free_bytes: int | None = None) -> int:
 def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,
                         gamma: "float | DPace", kind: str = "soft", draft_vocab: torch.Tensor | None = None,
                         chunk: int = 256, sync_metrics: bool = True, terms=None,
-                        prev: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                        prev: torch.Tensor | None = None,
+                        host_supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
-    never holding the [S, Vd] draft logits nor an [S, V] copy of the labels; peak memory one chunk.
-    With fixed slot weights (a gamma) each chunk's logits are made once and its share of the loss
-    differentiated at once (`fused_chunks`: no head runs again in backward); D-PACE's weights need
-    every slot's draft first, so there each chunk runs in a checkpoint, recomputed in backward.
+    never holding the [S, Vd] draft logits nor an [S, V] copy of the labels, nor (labels as the
+    target's final states: `Labels.hidden`) its [P, V] logits: peak memory one chunk, both sides.
+
+    Each chunk's draft and label logits are made once and its share of the loss differentiated at
+    once (`fused_chunks`: no head runs again in backward). A chunk adds up its slots' weighted losses
+    and weights; the loss is the sum over chunks divided by the weights' sum, a constant of the step.
+    D-PACE's weights of a slot read only its own block's drafts, so under D-PACE a chunk holds whole
+    blocks (at least one), found from the supervised mask on the host (`host_supervised`, default
+    `supervised` read back).
 
     `terms` (a drafter kind's `SlotTerms`, model/kinds/) replaces `head`: its logits (DSpark adds its
     Markov bias, from each slot's previous token `prev` [S]) and the per-slot loss it adds, weighted
     as the token loss's slots are (times `terms.weight`)."""
-    from torch.utils.checkpoint import checkpoint
-
     from ..model.kinds import SlotTerms
     from ..model.kinds.base import to_target_ids
 
     terms = terms or SlotTerms(None, head, draft_vocab)
     S = hidden.shape[0]
     prev = torch.zeros(S, dtype=torch.long, device=hidden.device) if prev is None else prev
-    if S == 0 or as_labels(target_logits).index.shape[0] != S:
+    lab = as_labels(target_logits)
+    if S == 0 or lab.index.shape[0] != S:
         return dflash_loss(terms.logits(hidden, prev), target_logits, supervised, gamma=gamma, kind=kind,
                            draft_vocab=draft_vocab, sync_metrics=sync_metrics)
-    w, target_top, logits, index, restrict = _weighted_parts(target_logits, supervised, gamma, kind, draft_vocab)
-    column = _draft_column(target_top, draft_vocab)
+    restrict, width = _label_form(lab, kind, draft_vocab)
+    N, B = supervised.shape
     dpace = isinstance(gamma, DPace)
-    none = hidden.new_zeros(0, dtype=torch.float32)
-
-    def part(h, i):
-        """Per-slot loss, drafted ids, confidence and added loss of the chunk of slots from i."""
-        j = slice(i, i + h.shape[0])
-        t = _slot_labels(logits, index[j], draft_vocab, restrict)  # [chunk, V'] made here, freed after
-        draft = terms.logits(h, prev[j])  # [chunk, Vd]
-        conf = _confidence(draft, target_top[j], draft_vocab) if dpace else none
-        added, picked = terms.added(draft, t, h, prev[j], target_top[j])
-        picked = to_target_ids(draft.argmax(-1), draft_vocab) if picked is None else picked
-        return slot_losses(draft, t, kind, column[j]), picked, conf, none if added is None else added
-
+    fixed = None if dpace else slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
+    need_rows = kind != "hard" or terms.reads_label_rows or lab.top is None
+    host_sup = where = None
     if dpace:
-        outs = [checkpoint(part, hidden[i:i + chunk], i, use_reentrant=False) for i in range(0, S, chunk)]
-        per, draft_top, conf, added = (torch.cat(x) for x in zip(*outs))
-        # the per-slot losses [S] are weighted after all chunks: D-PACE's weights need every slot's draft
-        loss = _weighted(w, per, conf, supervised, gamma)
-        if added.numel():
-            loss = loss + terms.weight * (w * added).sum() / w.sum().clamp(min=1e-12)
-    else:
-        scale = w / w.sum().clamp(min=1e-12)  # each slot's share of the loss
+        host_sup = (supervised if host_supervised is None else host_supervised).cpu()
+        # each slot's place in the flat [N * B] mask, from the host: a chunk scatters its confidences and
+        # gathers its weights by index, not by a boolean mask (each a device read on CUDA)
+        where = host_sup.reshape(-1).nonzero()[:, 0].to(supervised.device, non_blocking=True)
 
-        def share(h, i):
-            per, picked, _, added = part(h, i)
-            s = scale[i:i + h.shape[0]]
-            value = (s * per).sum()
-            if added.numel():
-                value = value + terms.weight * (s * added).sum()
-            return value, picked
+    def share(h, span):
+        """The chunk of slots i..j (blocks b..e under D-PACE): its weighted loss, and per slot the
+        drafted id, the target's argmax and the weight."""
+        i, j, b, e = span
+        t = lab.rows(i, j) if need_rows else None  # [c, V or Vd], made here (no grad), freed after
+        if t is not None and width is not None and t.shape[-1] != width:
+            raise ValueError(f"restricted labels are {t.shape[-1]} wide, the draft vocabulary {width}")
+        top = lab.top[lab.index[i:j]] if lab.top is not None else t.argmax(-1)  # [c] full vocabulary
+        if restrict:
+            t = t[:, draft_vocab]
+        draft = terms.logits(h, prev[i:j])  # [c, Vd]
+        w = torch.ones(j - i, device=h.device) if dpace else fixed[i:j]
+        if draft_vocab is not None and kind == "hard":  # a target token the drafter cannot propose: not learnt
+            w = w * torch.isin(top, draft_vocab)
+        plain = w  # what a kind's added term weighs its slots by (under D-PACE too)
+        if dpace:
+            at = where[i:j] - b * B  # the chunk's slots in its blocks' flat [e - b, B]
+            q = torch.zeros((e - b) * B, dtype=torch.float32, device=h.device)
+            q[at] = _confidence(draft, top, draft_vocab)
+            w = dpace_weights(q.view(e - b, B), supervised[b:e], gamma.alpha).reshape(-1)[at] * w
+        per = slot_losses(draft, t, kind, _draft_column(top, draft_vocab))
+        added, picked = terms.added(draft, t, h, prev[i:j], top)
+        picked = to_target_ids(draft.argmax(-1), draft_vocab) if picked is None else picked
+        value = (w * per).sum()
+        if added is None:
+            return value[None], (picked, top, w.detach()[:, None])
+        if not dpace:  # one weighting, one sum
+            value = value + terms.weight * (w * added).sum()
+            return value[None], (picked, top, w.detach()[:, None])
+        # under D-PACE the added term keeps its plain weights, and its own sum of them
+        value = torch.stack([value, terms.weight * (plain * added).sum()])
+        return value, (picked, top, torch.stack([w, plain], 1).detach())
 
-        loss, draft_top = fused_chunks(hidden, share, chunk, trainable(terms))
+    spans = block_spans(host_sup, chunk) if dpace else [(i, min(i + chunk, S), 0, 0) for i in range(0, S, chunk)]
+    total, (draft_top, target_top, w) = fused_chunks(hidden, share, spans, trainable(terms))
+    loss = (total / w.sum(0).clamp(min=1e-12)).sum()  # each sum of weighted losses over its weights' sum
     return loss, _metrics(loss, draft_top == target_top, supervised, sync_metrics)
+
+
+def _label_form(lab: Labels, kind: str, draft_vocab) -> tuple[bool, int | None]:
+    """Whether each chunk's label rows still need restricting to the draft vocabulary, and the width
+    restricted rows must have (None: not checked); refuses labels the loss cannot read."""
+    if lab.logits is None and lab.hidden is None and (lab.top is None or kind != "hard"):
+        raise ValueError(f"labels without logits carry only the target's argmax: the {kind!r} loss needs its logits")
+    if lab.hidden is not None and lab.head is None:
+        raise ValueError("labels given as the target's final states need its head")
+    if lab.top is None:
+        return draft_vocab is not None, None
+    if draft_vocab is None and lab.logits is not None:
+        raise ValueError("restricted labels need the draft vocabulary they were restricted to")
+    if lab.logits is not None and lab.logits.shape[-1] != len(draft_vocab):
+        raise ValueError("restricted labels need the draft vocabulary they were restricted to")
+    return False, None if draft_vocab is None else len(draft_vocab)
+
+
+def block_spans(supervised: torch.Tensor, chunk: int) -> list[tuple[int, int, int, int]]:
+    """Chunks of whole blocks from the supervised mask [N, B] (host): (first slot, end slot, first
+    block, end block), each at most `chunk` slots unless one block alone has more."""
+    counts = supervised.sum(1).tolist()
+    spans, i, b, n = [], 0, 0, 0
+    for e, c in enumerate(counts):
+        if n and n + c > chunk:
+            spans.append((i, i + n, b, e))
+            i, b, n = i + n, e, 0
+        n += c
+    if n:
+        spans.append((i, i + n, b, len(counts)))
+    return spans
 
 
 def trainable(terms) -> list[torch.Tensor]:
@@ -336,14 +409,17 @@ def trainable(terms) -> list[torch.Tensor]:
     return [p for m in mods for p in m.parameters() if p.requires_grad]
 
 
-def fused_chunks(hidden: torch.Tensor, share, chunk: int, params: list[torch.Tensor]):
-    """sum over chunks of `share(h, i)` (a scalar and [c] drafted ids for the slots from i), with its
-    gradient to `hidden` and `params` taken chunk by chunk as the value is: (loss, drafted ids [S])."""
+def fused_chunks(hidden: torch.Tensor, share, spans: list[tuple[int, ...]], params: list[torch.Tensor]):
+    """The sum over chunks of `share(h, span)` (values [k] and a tuple of per-slot tensors of the chunk,
+    span (i, j, ...) its slots i..j), with the gradient of each of the k values to `hidden` and
+    `params` taken chunk by chunk as the value is: (the k totals, the per-slot tensors over every slot,
+    concatenated)."""
     if not (torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))):
         with torch.no_grad():
-            outs = [share(hidden[i:i + chunk], i) for i in range(0, hidden.shape[0], chunk)]
-        return torch.stack([v.float() for v, _ in outs]).sum(), torch.cat([p for _, p in outs])
-    return _FusedChunks.apply(hidden, share, chunk, *params)
+            outs = [share(hidden[sp[0]:sp[1]], sp) for sp in spans]
+        return torch.stack([v.float() for v, _ in outs]).sum(0), tuple(torch.cat(x) for x in zip(*(o for _, o in outs)))
+    total, *extra = _FusedChunks.apply(hidden, share, spans, *params)
+    return total, tuple(extra)
 
 
 def _keep(x):
@@ -352,36 +428,51 @@ def _keep(x):
 
 class _FusedChunks(torch.autograd.Function):
     """A chunked loss whose backward only scales gradients its forward took: each chunk's logits exist
-    once, inside forward (the recomputation a checkpoint would do is the head's cost again)."""
+    once, inside forward (the recomputation a checkpoint would do is the head's cost again). With k
+    values per chunk (k > 1: sums normalised apart) each keeps its own gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, share, chunk, *params):
-        grad_h = torch.zeros_like(hidden)
+    def forward(ctx, hidden, share, spans, *params):
+        grad_h = None
         grads: list[torch.Tensor | None] = [None] * len(params)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        picks = []
-        for i in range(0, hidden.shape[0], chunk):
-            h = hidden[i:i + chunk].detach().requires_grad_(True)
+        total = None
+        outs = []
+        for span in spans:
+            i, j = span[0], span[1]
+            h = hidden[i:j].detach().requires_grad_(True)
             # what a chunk's own graph saves lives only until its gradient is taken, here: hooks outside
             # (activation offloading, memory accounting) see only what backward keeps
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-                value, picked = share(h, i)
-                gs = torch.autograd.grad(value, [h, *params], allow_unused=True)
-            grad_h[i:i + chunk] = gs[0]
-            for k, g in enumerate(gs[1:]):
-                if g is not None:
-                    grads[k] = g if grads[k] is None else grads[k] + g
+                value, out = share(h, span)
+                k = value.shape[0]
+                gs = [torch.autograd.grad(value[c], [h, *params], allow_unused=True, retain_graph=c < k - 1)
+                      for c in range(k)]
+            if grad_h is None:
+                grad_h = hidden.new_zeros((k, *hidden.shape))
+                total = torch.zeros(k, dtype=torch.float32, device=hidden.device)
+            for c, g in enumerate(gs):
+                if g[0] is not None:
+                    grad_h[c, i:j] = g[0]
+                for n, gp in enumerate(g[1:]):
+                    if gp is not None:
+                        if grads[n] is None:
+                            grads[n] = gp.new_zeros((k, *gp.shape))
+                        grads[n][c] += gp
             total += value.detach().float()
-            picks.append(picked)
-        picked = torch.cat(picks)
-        ctx.mark_non_differentiable(picked)
+            outs.append(out)
+        extra = tuple(torch.cat(x) for x in zip(*outs))
+        ctx.mark_non_differentiable(*extra)
         ctx.has = [g is not None for g in grads]
         ctx.save_for_backward(grad_h, *[g for g in grads if g is not None])
-        return total, picked
+        return (total, *extra)
 
     @staticmethod
-    def backward(ctx, g_total, _g_picked):
+    def backward(ctx, g_total, *_g_extra):
         grad_h, *kept = ctx.saved_tensors
         it = iter(kept)
-        params = [(lambda g: g * g_total.to(g.dtype))(next(it)) if has else None for has in ctx.has]
-        return (grad_h * g_total.to(grad_h.dtype), None, None, *params)
+
+        def scaled(g):  # [k, ...] per value -> their sum, each times its value's incoming gradient
+            return (g * g_total.to(g.dtype).view(-1, *[1] * (g.dim() - 1))).sum(0)
+
+        params = [scaled(next(it)) if has else None for has in ctx.has]
+        return (scaled(grad_h), None, None, *params)

@@ -93,12 +93,14 @@ class Prepared:
 
     anchors: torch.Tensor  # [N] sorted flat anchor positions
     supervised: torch.Tensor  # [N, B] bool
-    target_logits: Labels  # the target's own logits at a + k - 1 for supervised (j, k): [P, V] rows at the
-    # distinct label positions + the row of each slot (or [P, Vd] on the draft vocabulary + the full argmax)
+    target_logits: Labels  # the target's labels at a + k - 1 for supervised (j, k): its final normed states
+    # [P, Ht] at the distinct label positions and its head, which the loss runs chunk by chunk (on the draft
+    # vocabulary's rows, with the full argmax, where that is known), + the row of each slot
     features: torch.Tensor  # [Bz*T, F*Ht]
     block_embeds: torch.Tensor  # [N, B, Hd]
     layout: BlockLayout
     prev: torch.Tensor  # [S] each supervised slot's previous token: the data's, at its label position
+    host_supervised: torch.Tensor | None = None  # `supervised` on the host (the loss's chunks of whole blocks)
 
 
 @dataclass
@@ -144,12 +146,13 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
             label_rows: bool = True) -> Prepared:
     """Run the target once: features, anchors, supervised slots and their labels (clauses 1, 3, 4, 6).
 
-    `anchors` (flat, sorted) overrides sampling. `cached` (data.features.StoredOutputs, stored
-    earlier) replaces the target forward: the labels are then the target's own head on its final
-    normed state, which equals its logits (one norm, never two); with its full-vocabulary argmax
-    known, a draft vocabulary's rows are all the head computes, and with `label_rows` False (a loss
-    that reads only that argmax: `needs_label_rows`) the head does not run. `host_plan`: `plan_host`
-    of this batch, made ahead (else made here).
+    `anchors` (flat, sorted) overrides sampling. The labels are the target's own head on its final
+    normed states at the label positions, which equals its logits (one norm, never two), run by the
+    loss one chunk of slots at a time. `cached` (data.features.StoredOutputs, stored earlier)
+    replaces the target forward; with its full-vocabulary argmax known, a draft vocabulary's rows are
+    all the head computes, and with `label_rows` False (a loss that reads only that argmax:
+    `needs_label_rows`) the head does not run. `host_plan`: `plan_host` of this batch, made ahead
+    (else made here).
     """
     B = drafter.block_size
     Bz, T = batch.input_ids.shape
@@ -158,26 +161,38 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
     host, anchors, sup, keep, index = hp.host, hp.anchors, hp.supervised, hp.keep, hp.index
     flat = Flat(*(t.to(dev) for t in (host.input_ids, host.loss_mask, host.position_ids, host.document_ids)))
     anchors_d, sup_d, keep_d, index_d = (t.to(dev) for t in (anchors, sup, keep, index))
-    if cached is None:
+    rows = drafter.vocab_rows
+    if cached is None and not final_states_supported(target):  # a model without a base: its own logits [P, V]
         out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), logits_mask=keep_d.view(Bz, T))
-        labels, feats = Labels(out.logits, index_d), out.features.reshape(Bz * T, -1)  # logits [P, V]
+        labels, feats = Labels(out.logits, index_d), out.features.reshape(Bz * T, -1)
     else:
-        rows = drafter.vocab_rows
-        with torch.no_grad():
-            hidden = cached.final_hidden.to(dev, non_blocking=True).reshape(Bz * T, -1)[keep_d].to(target.dtype)
-            if cached.top is not None and not label_rows:  # the argmax is all the loss reads
-                labels = Labels(None, index_d, cached.top.reshape(Bz * T)[keep].to(dev))
-            elif cached.top is not None and rows is not None:  # the full-vocabulary argmax is known: draft rows only
-                top = cached.top.reshape(Bz * T)[keep].to(dev)  # [P]
-                labels = Labels(target.head(hidden, rows), index_d, top)  # [P, Vd]
-            else:
-                labels = Labels(target.head(hidden), index_d)  # [P, V]
-        feats = cached.features.to(dev, non_blocking=True).reshape(Bz * T, -1)
+        # the final normed states at the label positions [P, Ht]; the loss runs the head on them one chunk
+        # of slots at a time, so no [P, V] tensor exists (head(final state) is the target's logits, clause 3)
+        if cached is None:
+            out = target(batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), return_final_hidden=True)
+            final, top, feats = out.final_hidden, None, out.features.reshape(Bz * T, -1)
+        else:
+            final = cached.final_hidden.to(dev, non_blocking=True)
+            top = None if cached.top is None else cached.top.reshape(Bz * T)[keep].to(dev)  # [P]
+            feats = cached.features.to(dev, non_blocking=True).reshape(Bz * T, -1)
+        hidden = final.reshape(Bz * T, -1)[keep_d].to(target.dtype)
+        if top is not None and not label_rows:  # the argmax is all the loss reads
+            labels = Labels(None, index_d, top)
+        elif top is not None and rows is not None:  # the full-vocabulary argmax is known: draft rows only
+            labels = Labels(None, index_d, top, hidden, lambda h: target.head(h, rows), index)
+        else:
+            labels = Labels(None, index_d, None, hidden, target.head, index)
     embeds = target.embed(block_input_ids(flat.input_ids, anchors_d, B, drafter.mask_token_id))  # [N, B, Hd]
     layout = BlockLayout(flat.document_ids, flat.position_ids, anchors_d, B, host_document_ids=host.document_ids,
                          host_anchors=anchors)
     prev = flat.input_ids[label_positions(anchors_d, B)[sup_d]]
-    return Prepared(anchors_d, sup_d, labels, feats, embeds, layout, prev)
+    return Prepared(anchors_d, sup_d, labels, feats, embeds, layout, prev, sup)
+
+
+def final_states_supported(target) -> bool:
+    """Whether the target returns its final normed states (a transformers model with a base `.model`):
+    then the labels are its head on them, made chunk by chunk in the loss."""
+    return getattr(target.model, "model", None) is not None
 
 
 def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_anchors,
@@ -197,10 +212,14 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     g = default_gamma(drafter.block_size) if gamma is None else gamma
     # the [S, Vd] draft logits are made one chunk of slots at a time
     # (as many slots per chunk as the device's free memory allows: 256 on a CPU)
-    width = len(rows) if rows is not None else target.vocab_size  # the head's vocabulary
+    # the chunk's widest rows: the draft head's, or the label rows' (full width unless the full argmax is known)
+    lab = p.target_logits
+    width = max(len(rows) if rows is not None else target.vocab_size,
+                0 if lab.logits is None and lab.hidden is None else
+                len(rows) if lab.top is not None and rows is not None else target.vocab_size)
     return dflash_loss_chunked(hidden[p.supervised], None, p.target_logits, p.supervised, gamma=g, kind=loss,
                                draft_vocab=rows, chunk=loss_chunk_slots(hidden.device, width),
-                               sync_metrics=sync_metrics, terms=terms, prev=p.prev)
+                               sync_metrics=sync_metrics, terms=terms, prev=p.prev, host_supervised=p.host_supervised)
 
 
 def needs_label_rows(loss: str, terms) -> bool:
