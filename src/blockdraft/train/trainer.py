@@ -116,9 +116,25 @@ class Trainer:
         self.plan_ahead = gpu
         self._planned: dict = {}
         self._planner = None
+        self.save_cadence, self.eval_cadence = self.cadences(cfg, gpu, self._note if self.rank == 0 else None)
+
+    @staticmethod
+    def cadences(cfg: TrainConfig, gpu: bool, say=None) -> tuple[Cadence, Cadence]:
+        """(checkpoints', evaluations') cadence: on a GPU each bounded to GPU_WORK_SHARE of the wall time,
+        except the evaluations of --save-best, which promises the best of every --eval-every one."""
         share = GPU_WORK_SHARE if gpu else None
-        self.save_cadence = Cadence(cfg.save_every, share, first=not gpu, agree=rank0_says)
-        self.eval_cadence = Cadence(cfg.eval_every, share, agree=rank0_says)
+        return (Cadence(cfg.save_every, share, first=not gpu, agree=rank0_says, what="checkpoint", say=say),
+                Cadence(cfg.eval_every, None if cfg.save_best else share, agree=rank0_says,
+                        what="held-out evaluation", say=say))
+
+    @staticmethod
+    def _note(line: str) -> None:
+        """One line on stderr, below the progress bar rather than through it."""
+        import sys
+
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"blockdraft train: {line}", file=sys.stderr)
 
     def gamma(self):
         """This step's slot weighting (`gamma_schedule`): a fixed gamma, one following the acceptance,
