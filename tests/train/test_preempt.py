@@ -72,3 +72,43 @@ def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path, ref
     again = make(tmp_path, steps=6)
     again.train(resume=True)
     assert losses(tmp_path) == pytest.approx(losses(reference[0]), rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_while_starting_up_stops_before_the_first_step_and_writes_nothing(tmp_path, name):
+    from blockdraft.preempt import starting_up
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    tr = make(tmp_path, steps=6)
+    with starting_up():
+        os.kill(os.getpid(), getattr(signal, name))  # SLURM's warning while the target loads: noted only
+        with pytest.raises(Preempted) as got:
+            tr.train()
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert (got.value.step, got.value.signame) == (0, name)
+    assert "during start-up, before step 1: nothing was trained or saved" in str(got.value)
+    assert "without --resume" in str(got.value) and "exit code 75" in str(got.value)
+    assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert tr.progress["step"] == 0
+
+
+def test_a_signal_while_a_resume_starts_up_leaves_its_checkpoint_as_it_was(tmp_path, reference):
+    from blockdraft.preempt import starting_up
+
+    first = make(tmp_path, steps=6)
+    signal_after(first, 3, signal.SIGTERM)
+    with pytest.raises(Preempted):
+        first.train()
+    state = (tmp_path / "checkpoint" / "trainer_state.json").read_bytes()
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    again = make(tmp_path, steps=6)
+    with starting_up():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(Preempted) as got:
+            again.train(resume=True)
+    assert "during start-up, before any step" in str(got.value) and "(with --resume)" in str(got.value)
+    assert (tmp_path / "checkpoint" / "trainer_state.json").read_bytes() == state
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    last = make(tmp_path, steps=6)
+    last.train(resume=True)  # and the resume it advises is exact
+    assert losses(tmp_path) == pytest.approx(losses(reference[0]), rel=1e-6, abs=1e-7)

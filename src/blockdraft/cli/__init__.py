@@ -70,6 +70,24 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    with start_up(args):
+        return _run(args, interrupted)
+
+
+def start_up(args):
+    """`train`: SIGTERM or SIGUSR1 from here to the training loop (the imports, the target, the data,
+    the engines) stops the run cleanly before its first step (`preempt.starting_up`); other commands
+    keep the signals' default."""
+    import contextlib
+
+    if args.cmd != "train":
+        return contextlib.nullcontext()
+    from ..preempt import starting_up
+
+    return starting_up(os.environ.get("RANK", "0") == "0")  # torchrun's rank: the group is not joined yet
+
+
+def _run(args, interrupted: list) -> int:
     from safetensors import SafetensorError
 
     from ..engines.vllm.job import EngineFailed

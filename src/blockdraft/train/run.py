@@ -238,6 +238,7 @@ def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, 
          device: str, record: dict | None = None) -> dict:
     """`record`: what summary.json adds about where the features came from (an online run's engines)."""
     from ..checkpoint.native import load_drafter
+    from ..preempt import noted
     from .trainer import Trainer
 
     if cfg.drafter.init_drafter:
@@ -252,8 +253,8 @@ def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, 
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}"
           + (f", rank {rank} of {world_size}" if world_size > 1 else ""))
-    if tc.overwrite and rank == 0:  # the earlier run goes only now that this one is ready to start
-        RunDir(tc.out).clear()
+    if tc.overwrite and rank == 0 and noted() is None:  # the earlier run goes only now that this one is ready
+        RunDir(tc.out).clear()  # to start (not when a stop was asked while starting up: `Trainer.train`)
     summary = trainer.train(resume=tc.resume)
     if rank != 0:
         return summary

@@ -410,15 +410,19 @@ class Trainer:
         from tqdm.auto import tqdm
 
         lead = self.rank == 0
-        self._start(resume, lead)
-        if hasattr(self.train_features, "begin"):
-            self.train_features.begin(self.schedule(self.progress["step"]))
-        bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
-                   desc="train", unit="step", dynamic_ncols=True)
-        last_eval: dict = {}
-        t0 = time.time() - self.progress["elapsed"]
-        self._saved_at = time.monotonic()
         with StopSignals(lead) as signals:  # SIGTERM, SIGUSR1, a first Ctrl-C: save this step and stop
+            if poll(signals.got is not None, False)[0]:  # asked while starting up: stop before writing anything
+                self._close_helpers()
+                raise Preempted(self.progress["step"], signals.got or "a signal another rank received", self.ckpt_dir,
+                                starting=True, resumed=resume)
+            self._start(resume, lead)
+            if hasattr(self.train_features, "begin"):
+                self.train_features.begin(self.schedule(self.progress["step"]))
+            bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
+                       desc="train", unit="step", dynamic_ncols=True)
+            last_eval: dict = {}
+            t0 = time.time() - self.progress["elapsed"]
+            self._saved_at = time.monotonic()
             while self.progress["step"] < self.total:
                 try:
                     m = self.step()
