@@ -10,7 +10,7 @@ import sys
 from ..options import check_parsed
 from . import commands
 from .exits import interrupts, preempted, rerun_hint, exit_after_group, one_line  # noqa: F401
-from .parsers import train_parser, build, train_config  # noqa: F401 (the package's names)
+from .parsers import train_parser, build, train_config, unused_sampling  # noqa: F401 (the package's names)
 from .commands import speed_settings  # noqa: F401
 
 COMMANDS = {"train": commands.cmd_train, "regenerate": commands.cmd_regenerate, "prompts": commands.cmd_prompts,
@@ -59,8 +59,11 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = seen["args"] = parser.parse_args(argv)
     if getattr(args, "cmd", None):  # the paths and devices the flags name, before any work
-        check_parsed(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd],
-                     args)
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
+        check_parsed(command, args)
+        unused = unused_sampling(args)  # a sampling flag greedy decoding would ignore
+        if unused:
+            command.error(unused)
     args.argv = argv[1:]  # the command's own flags (for --config replays)
     if args.cmd not in LATENCY_COMMANDS:
         # Spin-waiting OpenMP threads stall every small parallel region when another process

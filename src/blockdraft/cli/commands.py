@@ -36,13 +36,14 @@ def cmd_regenerate(args) -> int:
     prompts = prompts[: args.n] if args.n else prompts
     generator = runner(args.engine).generator(args.target, device=args.device, spread=spread_kwargs(args),
                                               tensor_parallel_size=args.tensor_parallel_size, memory=args.engine_memory)
+    seed = 0 if args.seed is None else args.seed  # None: not given (refused at --temperature 0: cli.unused_sampling)
     res = regenerate(generator, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     progress=not args.no_progress, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                     progress=not args.no_progress, temperature=args.temperature, top_p=args.top_p, seed=seed)
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
     if args.bundle:
         from ..data.regenerate import bundle_answers, sampling_of
 
-        n = bundle_answers(args.out, args.bundle, prompts, sampling_of(args.temperature, args.top_p, args.seed))
+        n = bundle_answers(args.out, args.bundle, prompts, sampling_of(args.temperature, args.top_p, seed))
         print(f"bundled {n} conversations in prompt-hash order -> {args.bundle}")
     return 0
 

@@ -101,7 +101,8 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--temperature", type=Checked(float, min=0), default=0.0,
                    help="0: greedy; else sample each answer (as served), reproducibly from --seed")
     r.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")
-    r.add_argument("--seed", type=Checked(int), default=0, help="sampling seed (each prompt and turn draws its own)")
+    r.add_argument("--seed", type=Checked(int), default=None,
+                   help="sampling seed (each prompt and turn draws its own; default 0)")
     r.add_argument("--batch-size", type=Checked(int, min=1), default=8, help="prompts per generate call (vLLM: 64-256)")
     r.add_argument("--engine", choices=RUNNERS, default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
@@ -241,6 +242,20 @@ def _add_bench(sub) -> None:
     b.add_argument("--plot", default=None, type=TEXT, help="write a PNG of the speedups here")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+
+def unused_sampling(args) -> str | None:
+    """What is wrong with a command's sampling flags, or None: at --temperature 0 (greedy, the default)
+    --top-p and --seed would change nothing, so giving them is refused rather than ignored."""
+    if getattr(args, "temperature", None) != 0:
+        return None
+    given = [flag for flag, dest, unset in (("--top-p", "top_p", 1.0), ("--seed", "seed", None))
+             if hasattr(args, dest) and getattr(args, dest) != unset]
+    if not given:
+        return None
+    flags = " and ".join(given)
+    return (f"{flags} only {'apply' if len(given) > 1 else 'applies'} when sampling, and --temperature 0 decodes "
+            f"greedily: give --temperature above 0, or drop {flags}")
 
 
 def build() -> argparse.ArgumentParser:
