@@ -190,3 +190,43 @@ def test_blockdraft_imports_no_tracker_library():
             "print([m for m in ('tensorboard', 'trackio', 'wandb', 'mlflow') if m in sys.modules])")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert got.strip() == "[]"
+
+
+def flush_then_kill_9(out: str) -> None:
+    """In its own process: trackio gets steps 1-5 and a checkpoint's flush, then the process is killed."""
+    import signal
+
+    from blockdraft.rundir.trackers import Trackers
+
+    t = Trackers(["trackio"], Path(out), {"train": {"lr": 1.0}}, required=True)
+    for step in range(1, 6):
+        t.report({"step": step, "loss": 1.0 / step})
+    t.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no thread gets another turn
+
+
+def read_trackio(out: str) -> None:
+    from trackio.api import Api
+    from trackio.sqlite_storage import SQLiteStorage
+
+    os.environ["TRACKIO_DIR"] = str(Path(out) / "trackio")  # read before the import above in a fresh process
+    try:
+        runs = list(Api().runs("blockdraft"))
+    except Exception:  # noqa: BLE001 -- no project in the store: nothing was written
+        runs = []
+    print("TRACKIO " + json.dumps([[r["step"], r["loss"]] for run in runs for r in SQLiteStorage.get_logs(
+        "blockdraft", run.name, run_id=run.id)]))
+
+
+@pytest.mark.slow  # about 20 s: two processes import trackio
+def test_trackio_holds_every_flushed_step_through_a_kill_9(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRACKIO_DIR": str(tmp_path / "trackio"),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.run([sys.executable, "-c", f"from test_trackers import flush_then_kill_9 as f; f({str(tmp_path)!r})"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", f"from test_trackers import read_trackio as f; f({str(tmp_path)!r})"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("TRACKIO "))[8:])
+    assert got == [[s, pytest.approx(1.0 / s)] for s in range(1, 6)]  # trackio's own reader: none lost
