@@ -45,6 +45,9 @@ def parse_report_to(text: str) -> list[str]:
     names = [n.strip().lower() for n in str(text).split(",") if n.strip()]
     if names == ["none"]:
         return []
+    if not names:  # blanks and commas only: a mistake, not a way to say none
+        raise ValueError(f"--report-to: no tracker named in {str(text)!r}; choose from {', '.join(KINDS)} "
+                         "(comma-separated) or none")
     bad = [n for n in names if n not in KINDS]
     if bad:
         raise ValueError(f"--report-to: unknown tracker {', '.join(map(repr, bad))}; choose from {', '.join(KINDS)} "
@@ -87,6 +90,7 @@ class TensorBoard:
     def __init__(self, out: Path, settings: dict, state: dict, resumed_at: int | None, continued: bool):
         from torch.utils.tensorboard import SummaryWriter
 
+        quiet_writer_threads()
         purge = resumed_at + 1 if resumed_at is not None else None  # hides the killed run's later steps
         self.writer = SummaryWriter(str(out / DIRS["tensorboard"]), purge_step=purge)
         if not continued:  # indented: one Markdown code block, and still JSON
@@ -100,6 +104,28 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def quiet_writer_threads() -> None:
+    """TensorBoard's event writer thread keeps a failed write (a full disk) for the next write or flush,
+    which raises it here (one warning: `Trackers`), and then raises it again itself, which Python prints
+    as a 17-line traceback before that line. Its thread's failures are left to the write that reports
+    them; every other thread's still reach the hook that was there."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    before = threading.excepthook
+    if getattr(before, "leaves_tensorboard_writers", False):
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, Exception):
+            return
+        before(args)
+
+    hook.leaves_tensorboard_writers = True
+    threading.excepthook = hook
 
 
 class MLflow:
@@ -298,12 +324,21 @@ class Trackers:
 
 
 def read_state(out: Path) -> dict:
-    """trackers.json: the tracker runs this directory continues ({} when absent or unreadable)."""
+    """trackers.json: the tracker runs this directory continues ({} when absent). One that is there but
+    cannot be read is an error: read as none, --resume would start second tracker runs beside the first."""
+    path = Path(out) / STATE
     try:
-        got = json.loads((Path(out) / STATE).read_text())
-    except (OSError, ValueError):
+        got = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
-    return {k: v for k, v in got.items() if k in KINDS and isinstance(v, dict)} if isinstance(got, dict) else {}
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())
+        raise ValueError(f"{path} cannot be read ({why}): it names the tracker runs --resume continues; restore "
+                         "it, or delete it to start new tracker runs beside the earlier ones") from None
+    if not isinstance(got, dict):
+        raise ValueError(f"{path} holds no JSON object: it names the tracker runs --resume continues; restore "
+                         "it, or delete it to start new tracker runs beside the earlier ones")
+    return {k: v for k, v in got.items() if k in KINDS and isinstance(v, dict)}
 
 
 def open_trackers(cfg, out: Path, settings: dict, resumed_at: int | None) -> Trackers | None:
