@@ -175,3 +175,23 @@ def test_every_command_refuses_sampling_flags_that_greedy_decoding_would_ignore(
             assert unused_sampling(build_parser().parse_args([cmd, *args, *ok])) is None
     assert not (tmp_path / "a.jsonl").exists()
 
+
+
+def test_every_flag_accepts_the_default_its_help_shows():
+    """A default is a value the flag itself takes (`doctor --show 0` was refused though 0 is its default)."""
+    import argparse
+
+    from blockdraft.cli import build_parser
+    from blockdraft.options import Checked
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    refused = []
+    for name, parser in sub.choices.items():
+        for a in parser._actions:
+            if isinstance(a.type, Checked) and a.default is not None and a.option_strings:
+                text = ",".join(map(str, a.default)) if isinstance(a.default, list) else str(a.default)
+                try:
+                    a.type(text)  # what typing the default on the command line does
+                except argparse.ArgumentTypeError as e:
+                    refused.append(f"{name} {a.option_strings[0]} {text}: {e}")
+    assert refused == []

@@ -187,9 +187,9 @@ def _add_doctor(sub) -> None:
                         "the target alone, before training)")
     d.add_argument("--data", default=None, type=Checked(str, check=existing(prefixes=("hf:",))),
                    help="conversations to check the loss masks on (as train's --data)")
-    d.add_argument("--show", type=Checked(int, min=1), default=0, metavar="N",
+    d.add_argument("--show", type=Checked(int, min=0), default=0, metavar="N",
                    help="first print N records of --data as the chat template renders them, the tokens that carry "
-                        "loss marked, and where reasoning, tool calls and tool results are")
+                        "loss marked, and where reasoning, tool calls and tool results are (0: none)")
     d.add_argument("--vllm", action="store_true",
                    help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
     d.add_argument("--llama-cpp", action="store_true",
