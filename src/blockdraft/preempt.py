@@ -57,7 +57,8 @@ class StopSignals:
     was asked; a second SIGINT goes to the handler that was there before (the CLI's: exit 130), or
     raises KeyboardInterrupt. `lead`: this process says on stderr that it is stopping."""
 
-    def __init__(self, lead: bool = True, names: tuple = SIGNALS, then: str = "after this step and saving a checkpoint"):
+    def __init__(self, lead: bool = True, names: tuple = SIGNALS,
+                 then: str = "after this step and saving a checkpoint"):
         """`names`: the signals noted; `then`: what the line on stderr says happens next."""
         self.lead, self.got, self._before = lead, None, {}
         self.names, self.then = names, then

@@ -222,7 +222,8 @@ def read_trackio(out: str) -> None:
 def test_trackio_holds_every_flushed_step_through_a_kill_9(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRACKIO_DIR": str(tmp_path / "trackio"),
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    killed = subprocess.run([sys.executable, "-c", f"from test_trackers import flush_then_kill_9 as f; f({str(tmp_path)!r})"],
+    killed = subprocess.run([sys.executable, "-c",
+                             f"from test_trackers import flush_then_kill_9 as f; f({str(tmp_path)!r})"],
                             capture_output=True, text=True, env=env, timeout=120)
     assert killed.returncode == -9, killed.stderr[-3000:]
     done = subprocess.run([sys.executable, "-c", f"from test_trackers import read_trackio as f; f({str(tmp_path)!r})"],

@@ -41,6 +41,9 @@ START_S = 3600.0  # a replica that has not said it is ready after this long fail
 
 def plugin_path(root: Path) -> Path:
     """A folder for PYTHONPATH that gives vLLM's environment this blockdraft and its plugin entry point."""
+    from ...target.cache import check_cache_dir
+
+    check_cache_dir(root)  # under BLOCKDRAFT_CACHE, which may name a file
     pkg = root / "pkg"
     pkg.mkdir(parents=True, exist_ok=True)
     link = pkg / "blockdraft"
