@@ -85,10 +85,10 @@ def check_resume(out: str | Path, resume: bool) -> None:
                          "a new run there (with --overwrite where an earlier one is)")
 
 
-def check_resumed_state(out: Path, report_to: str = "none") -> None:
-    """The checkpoint's record, the metrics and (with trackers) trackers.json a resume reads, read now
-    rather than after the target loaded: one line naming a damaged file (a torn last metrics line is
-    repaired, and said, later)."""
+def check_resumed_state(out: Path, report_to: str = "none", save_best: bool = False) -> None:
+    """The checkpoint's record, the metrics, and (with trackers) trackers.json and (--save-best)
+    best.json a resume reads, read now rather than after the target loaded: one line naming a damaged
+    file (a torn last metrics line is repaired, and said, later)."""
     from ..rundir.trackers import parse_report_to, read_state
 
     run = RunDir(out)
@@ -96,6 +96,8 @@ def check_resumed_state(out: Path, report_to: str = "none") -> None:
     run.metrics_lines(say=False)
     if parse_report_to(report_to):
         read_state(out)
+    if save_best:
+        run.read_best()
 
 
 def check_cache(path: str, max_length: int) -> None:
@@ -195,7 +197,7 @@ def run_training(cfg: RunConfig) -> dict:
     check_resume(tc.out, tc.resume)
     preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
     if tc.resume:
-        check_resumed_state(Path(tc.out), tc.report_to)
+        check_resumed_state(Path(tc.out), tc.report_to, tc.save_best)
     for cache in (cfg.data.features_cache, cfg.data.eval_features_cache):
         if cache:  # the manifest and every shard's header, before the target loads
             check_cache(cache, cfg.data.max_length)
