@@ -112,3 +112,37 @@ def test_a_signal_while_a_resume_starts_up_leaves_its_checkpoint_as_it_was(tmp_p
     last = make(tmp_path, steps=6)
     last.train(resume=True)  # and the resume it advises is exact
     assert losses(tmp_path) == pytest.approx(losses(reference[0]), rel=1e-6, abs=1e-7)
+
+
+def records(out):
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("save_best", [False, True])
+def test_an_evaluation_a_stop_put_off_is_run_by_the_resume_as_an_uncut_run_runs_it(tmp_path, save_best):
+    ref = make(tmp_path / "ref", steps=6, save_best=save_best)  # eval_every 3: evaluations at 3 and 6
+    ref.train()
+    want = records(tmp_path / "ref")
+    assert [r["step"] for r in want if "eval_tau" in r] == [3, 6]
+    out = tmp_path / "run"
+    tr = make(out, steps=6, save_best=save_best)
+    signal_after(tr, 3, signal.SIGTERM)  # the step an evaluation is due at
+    with pytest.raises(Preempted):
+        tr.train()
+    assert step_of(out / "checkpoint") == 3 and [r["step"] for r in records(out)] == [1, 2, 3]
+    assert "eval_tau" not in records(out)[-1]  # owed to the resume
+    make(out, steps=6, save_best=save_best).train(resume=True)
+    got = records(out)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    from blockdraft.rundir.trackers import figures
+
+    def kept(r):  # every figure but the timings, lists as NAME/i
+        return {k: v for k, v in figures(r).items() if not k.endswith("_s") and k not in ("elapsed", "tokens_per_s")}
+
+    for g, w in zip(got, want):  # the same figures, the evaluation of step 3 included
+        assert set(g) == set(w), g["step"]
+        assert kept(g) == pytest.approx(kept(w), rel=1e-6, abs=1e-7), g["step"]
+    if save_best:
+        assert json.loads((out / "best" / "best.json").read_text()) == json.loads(
+            (tmp_path / "ref" / "best" / "best.json").read_text())
+    assert "owed_eval" not in json.loads((out / "checkpoint" / "trainer_state.json").read_text())["progress"]

@@ -423,6 +423,7 @@ class Trainer:
             last_eval: dict = {}
             t0 = time.time() - self.progress["elapsed"]
             self._saved_at = time.monotonic()
+            last_eval = self._owed_eval(bar)
             while self.progress["step"] < self.total:
                 try:
                     m = self.step()
@@ -453,10 +454,26 @@ class Trainer:
             self._finish(lead)
         return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
 
-    def _evaluate(self, step: int, m: dict, bar) -> dict | None:
-        """The held-out evaluation where due (None where not): every rank evaluates its share, rank 0
-        logs; then --save-best's drafter."""
-        if self.eval_rows is None or not self.eval_cadence.due(step, self.total):
+    def _owed_eval(self, bar) -> dict:
+        """The evaluation a stop put off (`_stop`), run before a resumed run's first step: its figures
+        join the step's line in metrics.jsonl (rewritten whole), and go to the trackers under that step
+        (the training figures they already have are not sent again)."""
+        owed = self.progress.pop("owed_eval", None)
+        if owed is None:
+            return {}
+        step = self.progress["step"]
+        got = self._evaluate(step, owed, bar, owed=True) or {}
+        if got and self.rank == 0:
+            self.run.truncate_metrics(step - 1)  # the step's line without its evaluation, when logged
+            self.run.append_metrics(owed, kept=self.saved_step)
+            if self.trackers:
+                self.trackers.report({"step": step, **got} if step % self.cfg.log_every == 0 else owed)
+        return got
+
+    def _evaluate(self, step: int, m: dict, bar, owed: bool = False) -> dict | None:
+        """The held-out evaluation where due (None where not; `owed`: one a stop put off, due now):
+        every rank evaluates its share, rank 0 logs; then --save-best's drafter."""
+        if self.eval_rows is None or not (owed or self.eval_cadence.due(step, self.total)):
             return None
         bar.set_description("train (evaluating)")
         self._begin_eval(step)
@@ -498,14 +515,19 @@ class Trainer:
         self._saved_at = time.monotonic()
 
     def _stop(self, m: dict | None, signame: str | None) -> None:
-        """A stop was asked on some rank: this step logged (its held-out evaluation, if due, skipped:
-        the save comes first) and saved by every rank, the helper threads stopped; raises Preempted.
+        """A stop was asked on some rank: this step logged (its held-out evaluation, if due, owed to
+        --resume: the save comes first) and saved by every rank, the helper threads stopped; raises Preempted.
         `m` None: the step was thrown away (StepLost), the last whole one is saved."""
         step = self.progress["step"]
         if m is not None and step % self.cfg.log_every == 0:
             self.log(m)
-        if self.saved_step != step:
+        if m is not None and self.eval_rows is not None and "eval_tau" not in m and step % self.cfg.eval_every == 0:
+            # the evaluation due here is owed: the checkpoint keeps this step's record, and --resume
+            # evaluates first and completes the step's line (`_owed_eval`), as a run never stopped has it
+            self.progress["owed_eval"] = m
+        if self.saved_step != step or "owed_eval" in self.progress:
             self._save_now()
+        self.progress.pop("owed_eval", None)
         self._close_helpers()
         if self.trackers:  # what they hold up to the checkpoint was flushed by the save
             self.trackers.close()
