@@ -337,3 +337,19 @@ def test_fp8_states_train_as_their_cache_does_and_stay_within_fp8s_error(tmp_pat
     run_training(offline)
     run_training(online)
     assert losses(tmp_path / "offline") == losses(tmp_path / "online")
+
+
+def test_a_spool_smaller_than_one_micro_batch_is_refused_before_any_engine_starts(tmp_path, tiny_target_dir, split,
+                                                                                  stand_in, monkeypatch):
+    import blockdraft.engines.vllm.launch as launch
+    from blockdraft.engines.vllm.spool import state_bytes
+
+    row = state_bytes(L, 4, 32, 4)  # one full row's states: 3 feature layers + the last, hidden 32, fp32
+    monkeypatch.setattr(launch, "start_engines", lambda *a, **kw: pytest.fail("an engine was started"))
+    for rows_per_step, budget in ((1, row // 4), (2, row)):  # far below one row; below two full-ish rows
+        vllm = EngineOptions(engine="vllm", spool=str(tmp_path / f"spool{rows_per_step}"), spool_gib=budget / 2**30)
+        cfg = config(tiny_target_dir, tmp_path / f"run{rows_per_step}", engine=vllm, rows_per_step=rows_per_step,
+                     data=DataOptions(data=str(split / "train.jsonl"), max_length=L, max_rows=0, eval_fraction=0.1))
+        with pytest.raises(ValueError, match=rf"{rows_per_step} rows of a micro-batch need at least .* GiB of "
+                                             r"states at once, more than the spool's .*: raise --spool-gib"):
+            run_training(cfg)
