@@ -353,3 +353,9 @@ def test_a_spool_smaller_than_one_micro_batch_is_refused_before_any_engine_start
         with pytest.raises(ValueError, match=rf"{rows_per_step} rows of a micro-batch need at least .* GiB of "
                                              r"states at once, more than the spool's .*: raise --spool-gib"):
             run_training(cfg)
+    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool-x"), spool_gib=row / 4 / 2**30)
+    with pytest.raises(ValueError, match=r"a row needs .* GiB of states at once, more than the spool's .*: raise "
+                                         r"--spool-gib"):  # extract --engine vllm asks for one row at a time
+        run_extract(TargetOptions(target=tiny_target_dir, num_features=3),
+                    DataOptions(data=str(split / "train.jsonl"), max_length=L), ExtractOptions(out=str(tmp_path / "x")),
+                    vllm)
