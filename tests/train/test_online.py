@@ -149,6 +149,13 @@ def test_a_failing_engine_stops_training_with_one_line(tmp_path, tiny_target_dir
     assert rc == 2 and len(err) == 1, err
     assert "the stand-in engine was told to fail here" in err[0] and str(tmp_path / "spool") in err[0]
     assert (tmp_path / "spool" / "engine-0.log").exists()  # kept: the error names it
+    import blockdraft.engines.vllm.launch as launch
+
+    said = (tmp_path / "spool" / "engine-0.log").read_bytes()
+    assert f"the next start keeps it in {tmp_path / 'spool' / 'previous'}" in err[0]
+    launch.prepare_spool(tmp_path / "spool")  # what the rerun does before its engines start
+    assert (tmp_path / "spool" / "previous" / "engine-0.log").read_bytes() == said
+    assert not (tmp_path / "spool" / "engine-0.log").exists() and not (tmp_path / "spool" / "engine-0.json").exists()
 
 
 @pytest.mark.parametrize("slow,flag,said", [("STUB_START_S", "--engine-start-min", "did not start within 0.02 min"),
