@@ -58,8 +58,9 @@ class StopSignals:
     raises KeyboardInterrupt. `lead`: this process says on stderr that it is stopping."""
 
     def __init__(self, lead: bool = True, names: tuple = SIGNALS,
-                 then: str = "after this step and saving a checkpoint"):
-        """`names`: the signals noted; `then`: what the line on stderr says happens next."""
+                 then="stopping after this step and saving a checkpoint"):
+        """`names`: the signals noted; `then`: what the line on stderr says happens next (or a function
+        that says it when the signal comes)."""
         self.lead, self.got, self._before = lead, None, {}
         self.names, self.then = names, then
 
@@ -75,7 +76,8 @@ class StopSignals:
             _NOTED[:] = [name]
             if self.lead:  # os.write: safe inside a handler, where print may be mid-write
                 again = "; Ctrl-C again to stop at once" if name == "SIGINT" else ""
-                os.write(2, f"blockdraft train: {name}: stopping {self.then}{again}\n".encode())
+                then = self.then() if callable(self.then) else self.then
+                os.write(2, f"blockdraft train: {name}: {then}{again}\n".encode())
 
     def __enter__(self):
         self.got = noted()  # one noted while starting up (`starting_up`) still stands
@@ -100,4 +102,19 @@ def starting_up(lead: bool = True) -> StopSignals:
     StopSignals: SIGTERM or SIGUSR1 (SLURM's warning) is noted and said at once, and the run stops
     before its first step (Preempted, exit 75) instead of dying by the signal with no word. Ctrl-C
     keeps the CLI's own handling (one line, exit 130)."""
-    return StopSignals(lead, names=("SIGTERM", "SIGUSR1"), then="before the first step (still starting up)")
+    _TRAINED.clear()
+
+    def then() -> str:
+        if _TRAINED:  # after the training loop: nothing is left to stop, the run's last files are written
+            return "training is done: exiting once its last files are written"
+        return "stopping before the first step (still starting up)"
+
+    return StopSignals(lead, names=("SIGTERM", "SIGUSR1"), then=then)
+
+
+_TRAINED: list[bool] = []  # the training loop of this command ended (`trained`)
+
+
+def trained() -> None:
+    """The training loop ended: a signal from now on is said as such (`starting_up`)."""
+    _TRAINED[:] = [True]

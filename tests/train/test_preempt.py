@@ -146,3 +146,16 @@ def test_an_evaluation_a_stop_put_off_is_run_by_the_resume_as_an_uncut_run_runs_
         assert json.loads((out / "best" / "best.json").read_text()) == json.loads(
             (tmp_path / "ref" / "best" / "best.json").read_text())
     assert "owed_eval" not in json.loads((out / "checkpoint" / "trainer_state.json").read_text())["progress"]
+
+
+def test_a_signal_after_the_training_loop_says_the_run_is_finishing(tmp_path, capfd):
+    from blockdraft.preempt import starting_up
+
+    tr = make(tmp_path, steps=2)
+    with starting_up():
+        tr.train()
+        capfd.readouterr()
+        os.kill(os.getpid(), signal.SIGUSR1)  # while the summary and the plots are written
+        assert capfd.readouterr().err == "blockdraft train: SIGUSR1: training is done: exiting once its last files " \
+                                         "are written\n"
+    assert (tmp_path / "drafter").is_dir()

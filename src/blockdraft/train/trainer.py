@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint.native import save_drafter
 from ..finite import check_step
-from ..preempt import Preempted, StepLost, StopSignals
+from ..preempt import Preempted, StepLost, StopSignals, trained
 from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
                           gradient_sync, grouped, world)
 from .cadence import Cadence, poll, rank0_says
@@ -452,6 +452,7 @@ class Trainer:
                     self._save_now()
             bar.close()
             self._finish(lead)
+        trained()  # a stop signal from here on has nothing to stop (`preempt.starting_up`)
         return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
 
     def _owed_eval(self, bar) -> dict:
