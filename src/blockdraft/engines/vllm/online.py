@@ -112,10 +112,7 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
         engines.where = f"on node {node_rank()} ({socket.gethostname()}) "
     states = engines.wait_ready(progress=print if rank == 0 else (lambda s: None))
     if rank == 0:
-        print("engine: ready (" + "; ".join(f"replica {r.index}: {st.get('dtype')}"
-                                           + (f", {st['quantization']}" if st.get("quantization") else "")
-                                           + (f", {describe_layout(st['layout'])}" if st.get("layout") else "")
-                                           for r, st in zip(engines.replicas, states)) + ")")
+        say_ready(engines, states)
     budget = budget_of(root)
     tag = hashlib.sha256(str(Path(cfg.train.out).resolve()).encode()).hexdigest()[:8]
 
@@ -129,6 +126,14 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     served = [{"dtype": st.get("dtype"), "quantization": st.get("quantization"), "layout": st.get("layout")}
               for st in states]
     return Online(engines, train_f, eval_f, served)
+
+
+def say_ready(engines, states: list[dict]) -> None:
+    """The line saying what every replica serves, once all are ready."""
+    print("engine: ready (" + "; ".join(f"replica {r.index}: {st.get('dtype')}"
+                                       + (f", {st['quantization']}" if st.get("quantization") else "")
+                                       + (f", {describe_layout(st['layout'])}" if st.get("layout") else "")
+                                       for r, st in zip(engines.replicas, states)) + ")")
 
 
 def check_spool_fits(readers: list, per_batch: int, budget: int) -> None:
