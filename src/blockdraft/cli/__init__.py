@@ -4,7 +4,9 @@ the library, `exits` how a command ends)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 
 from ..options import check_parsed
@@ -50,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             interrupted.append("handled")
             args = seen.get("args")
             cmd = f" {args.cmd}" if getattr(args, "cmd", None) else ""
-            print(f"blockdraft{cmd}: interrupted; {rerun_hint(args)}", file=sys.stderr)
-            return 130
+            by = seen.get("signal")  # SIGTERM or SIGUSR1 to a command other than train (`start_up`)
+            print(f"blockdraft{cmd}: {f'stopped by {by}' if by else 'interrupted'}; {rerun_hint(args)}",
+                  file=sys.stderr)
+            return 128 + int(getattr(signal, by)) if by else 130
 
 
 def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
@@ -73,21 +77,60 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
-    with start_up(args):
+    with start_up(args, seen):
         return _run(args, interrupted)
 
 
-def start_up(args):
+# the commands a stop signal ends as a Ctrl-C does (train saves and stops; engine's server has its own)
+SIGNAL_AS_INTERRUPT = ("regenerate", "prompts", "extract", "convert", "doctor", "generate", "bench")
+
+
+def start_up(args, seen: dict):
     """`train`: SIGTERM or SIGUSR1 from here to the training loop (the imports, the target, the data,
-    the engines) stops the run cleanly before its first step (`preempt.starting_up`); other commands
-    keep the signals' default."""
+    the engines) stops the run cleanly before its first step (`preempt.starting_up`). The commands of
+    SIGNAL_AS_INTERRUPT end on them as on Ctrl-C (what was finished is kept; one line naming the
+    signal and the rerun; exit 128 + the signal), instead of dying with no word."""
     import contextlib
 
+    if args.cmd in SIGNAL_AS_INTERRUPT:
+        return _signal_as_interrupt(seen)
     if args.cmd != "train":
         return contextlib.nullcontext()
     from ..preempt import starting_up
 
     return starting_up(os.environ.get("RANK", "0") == "0")  # torchrun's rank: the group is not joined yet
+
+
+@contextlib.contextmanager
+def _signal_as_interrupt(seen: dict):
+    """SIGTERM and SIGUSR1 raise the interrupt Ctrl-C raises (`interrupts` delivers it outside any
+    import), `seen["signal"]` naming which; the handlers before are put back after."""
+    import _thread
+    import threading
+
+    from .exits import importing
+
+    def note(signum, frame):
+        seen.setdefault("signal", signal.Signals(signum).name)
+        if callable(signal.getsignal(signal.SIGINT)):  # `interrupts` is there: it delivers it outside imports
+            _thread.interrupt_main()
+        elif importing(frame):  # SIGINT ignored (a background job): never inside an import, again in 50 ms
+            threading.Timer(0.05, _thread.interrupt_main, args=(signum,)).start()
+        else:
+            raise KeyboardInterrupt
+
+    before = {}
+    try:
+        for name in ("SIGTERM", "SIGUSR1"):
+            num = getattr(signal, name)
+            before[num] = signal.signal(num, note)
+    except ValueError:  # not the main thread: the signals keep their default
+        pass
+    try:
+        yield
+    finally:
+        for num, old in before.items():
+            signal.signal(num, old if old is not None else signal.SIG_DFL)
 
 
 def _run(args, interrupted: list) -> int:
