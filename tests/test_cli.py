@@ -147,3 +147,51 @@ def test_every_option_of_every_command_shows_its_default_in_help():
             if "default" not in text and "required" not in text:
                 silent.append(f"{name} {action.option_strings[-1]}")
     assert silent == [], silent
+
+
+def _commands_with(dest: str) -> dict:
+    import argparse
+
+    from blockdraft.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: p for name, p in sub.choices.items() if any(a.dest == dest for a in p._actions)}
+
+
+@pytest.mark.parametrize("extra", [["--top-p", "0.5"], ["--seed", "3"], ["--top-p", "0.5", "--seed", "0"]])
+def test_every_command_refuses_sampling_flags_that_greedy_decoding_would_ignore(tmp_path, capsys, extra):
+    from blockdraft.cli import build_parser, unused_sampling
+
+    needs = {"generate": ["hi"], "regenerate": ["--out", str(tmp_path / "a.jsonl")]}
+    assert set(_commands_with("temperature")) == set(needs)  # a new command taking --temperature joins the sweep
+    for cmd, args in needs.items():
+        with pytest.raises(SystemExit) as got:  # refused before any work: no target is loaded
+            main([cmd, *args, *extra])
+        err = capsys.readouterr().err
+        assert got.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"blockdraft {cmd}: error: ") and "--temperature 0 decodes greedily" in err, err
+        assert all(flag in err for flag in extra[::2]) and ("--seed" in err) == ("--seed" in extra), err
+        for ok in ([], [*extra, "--temperature", "0.7"]):  # greedy as given, and every flag when sampling
+            assert unused_sampling(build_parser().parse_args([cmd, *args, *ok])) is None
+    assert not (tmp_path / "a.jsonl").exists()
+
+
+
+def test_every_flag_accepts_the_default_its_help_shows():
+    """A default is a value the flag itself takes (`doctor --show 0` was refused though 0 is its default)."""
+    import argparse
+
+    from blockdraft.cli import build_parser
+    from blockdraft.options import Checked
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    refused = []
+    for name, parser in sub.choices.items():
+        for a in parser._actions:
+            if isinstance(a.type, Checked) and a.default is not None and a.option_strings:
+                text = ",".join(map(str, a.default)) if isinstance(a.default, list) else str(a.default)
+                try:
+                    a.type(text)  # what typing the default on the command line does
+                except argparse.ArgumentTypeError as e:
+                    refused.append(f"{name} {a.option_strings[0]} {text}: {e}")
+    assert refused == []

@@ -24,10 +24,19 @@ SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 class Preempted(Exception):
     """The run stopped on a signal after step `step`, its checkpoint saved in `path`."""
 
-    def __init__(self, step: int, signame: str, path):
+    def __init__(self, step: int, signame: str, path, *, starting: bool = False, resumed: bool = False):
+        """`starting`: the signal came before the first step (`resumed`: of a --resume), nothing trained."""
         self.step, self.signame, self.path = step, signame, path
-        super().__init__(f"stopped by {signame} after step {step}: its checkpoint is {path}; rerun the same command "
-                         f"with --resume to continue (exit code {PREEMPTED})")
+        if not starting:
+            say = (f"stopped by {signame} after step {step}: its checkpoint is {path}; rerun the same command "
+                   "with --resume to continue")
+        elif resumed:
+            say = (f"stopped by {signame} during start-up, before any step: the checkpoints in {path.parent} are "
+                   "unchanged; rerun the same command (with --resume) to continue")
+        else:
+            say = (f"stopped by {signame} during start-up, before step 1: nothing was trained or saved; rerun the "
+                   "same command, without --resume, to start")
+        super().__init__(f"{say} (exit code {PREEMPTED})")
 
 
 class StepLost(Exception):
@@ -48,8 +57,12 @@ class StopSignals:
     was asked; a second SIGINT goes to the handler that was there before (the CLI's: exit 130), or
     raises KeyboardInterrupt. `lead`: this process says on stderr that it is stopping."""
 
-    def __init__(self, lead: bool = True):
+    def __init__(self, lead: bool = True, names: tuple = SIGNALS,
+                 then="stopping after this step and saving a checkpoint"):
+        """`names`: the signals noted; `then`: what the line on stderr says happens next (or a function
+        that says it when the signal comes)."""
         self.lead, self.got, self._before = lead, None, {}
+        self.names, self.then = names, then
 
     def _note(self, signum, frame):
         name = signal.Signals(signum).name
@@ -63,12 +76,13 @@ class StopSignals:
             _NOTED[:] = [name]
             if self.lead:  # os.write: safe inside a handler, where print may be mid-write
                 again = "; Ctrl-C again to stop at once" if name == "SIGINT" else ""
-                os.write(2, f"blockdraft train: {name}: stopping after this step and saving a checkpoint"
-                            f"{again}\n".encode())
+                then = self.then() if callable(self.then) else self.then
+                os.write(2, f"blockdraft train: {name}: {then}{again}\n".encode())
 
     def __enter__(self):
+        self.got = noted()  # one noted while starting up (`starting_up`) still stands
         if threading.current_thread() is threading.main_thread():
-            for name in SIGNALS:
+            for name in self.names:
                 num = getattr(signal, name, None)
                 if num is not None:
                     self._before[num] = signal.signal(num, self._note)
@@ -81,3 +95,26 @@ class StopSignals:
         self._before.clear()
         return False
 
+
+
+def starting_up(lead: bool = True) -> StopSignals:
+    """`train`'s start-up (loading the target, the data, the engines), before the training loop's own
+    StopSignals: SIGTERM or SIGUSR1 (SLURM's warning) is noted and said at once, and the run stops
+    before its first step (Preempted, exit 75) instead of dying by the signal with no word. Ctrl-C
+    keeps the CLI's own handling (one line, exit 130)."""
+    _TRAINED.clear()
+
+    def then() -> str:
+        if _TRAINED:  # after the training loop: nothing is left to stop, the run's last files are written
+            return "training is done: exiting once its last files are written"
+        return "stopping before the first step (still starting up)"
+
+    return StopSignals(lead, names=("SIGTERM", "SIGUSR1"), then=then)
+
+
+_TRAINED: list[bool] = []  # the training loop of this command ended (`trained`)
+
+
+def trained() -> None:
+    """The training loop ended: a signal from now on is said as such (`starting_up`)."""
+    _TRAINED[:] = [True]

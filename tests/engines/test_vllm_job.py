@@ -121,3 +121,19 @@ def test_the_cause_is_an_error_vllm_logged_not_a_warnings_traceback():
     assert engine.stated_cause("ValueError: prompt too long\n") == "ValueError: prompt too long"
     # killed from outside after a warning's traceback: nothing says why (the signal does)
     assert engine.stated_cause(log.splitlines()[0] + "\n(EngineCore) INFO [core.py:1] ready\n") is None
+
+
+def test_a_warnings_traceback_and_the_start_up_tokenizer_notice_are_never_the_cause():
+    warned = ("(EngineCore pid=7) INFO [core.py:1] starting\n"
+              "(EngineCore pid=7) WARNING [base.py:380] could not load the tokenizer:\n"
+              "Traceback (most recent call last):\n"
+              "  File \"base.py\", line 378, in get_tokenizer\n"
+              "ValueError: Tokenizer not available when `skip_tokenizer_init=True`\n"
+              "(EngineCore pid=7) INFO [core.py:1] ready\n")
+    assert engine.stated_cause(warned) is None  # killed from outside afterwards: the signal says why
+    bare = "ValueError: Tokenizer not available when `skip_tokenizer_init=True`\n"  # printed with no level at all
+    assert engine.stated_cause(bare) is None
+    after = warned + "(EngineCore pid=7) ERROR [core.py:9] RuntimeError: CUDA error: an illegal memory access\n"
+    assert engine.stated_cause(after) == "RuntimeError: CUDA error: an illegal memory access"
+    unlevelled = warned + "(EngineCore pid=7) INFO [core.py:9] serving\nKeyError: 'model.layers.0'\n"
+    assert engine.stated_cause(unlevelled) == "KeyError: 'model.layers.0'"  # under an INFO line: not a warning's

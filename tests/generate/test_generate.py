@@ -423,3 +423,12 @@ def test_timings_read_the_clock_after_the_device_finished(monkeypatch):
     reads.clear()
     base = baseline.target_greedy(t, ids, max_new_tokens=6)
     assert len(reads) == 3 + 2 * (len(base.tokens) - 1)
+
+
+def test_greedy_decoding_ignores_top_p_and_seed():
+    """Why the CLI refuses --top-p and --seed at --temperature 0 (cli.unused_sampling): they change nothing."""
+    t, d = pair()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    want = reference(t, ids, 24)
+    for kw in ({}, {"top_p": 0.5}, {"seed": 3}, {"top_p": 0.2, "seed": 11}):
+        assert speculative_generate(t, d, ids, max_new_tokens=24, **kw).tokens == want

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from blockdraft.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,3 +78,33 @@ def test_a_rank_that_left_its_group_exits_with_its_code_after_the_atexit_work(tm
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 75 and r.stdout == "still here", (r.returncode, r.stdout, r.stderr)
     assert (tmp_path / "atexit").read_text() == "ran"
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_sigterm_or_sigusr1_to_a_resumable_command_is_one_line_naming_it(tmp_path, monkeypatch, capsys, background):
+    """extract, regenerate, prompts... end on a stop signal as on Ctrl-C (what was finished is kept),
+    saying which signal, with exit 128 + its number, instead of dying with no word (143, 138).
+    `background`: SIGINT ignored, as a shell's background job has it."""
+    import signal
+    import time
+
+    import blockdraft.cli as cli
+
+    if background:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+        for name in ("SIGTERM", "SIGUSR1"):
+            def signalled(args, name=name):
+                os.kill(os.getpid(), getattr(signal, name))
+                time.sleep(5)  # the work the signal stops
+                raise AssertionError("not stopped")
+
+            monkeypatch.setitem(cli.COMMANDS, "extract", signalled)
+            assert main(["extract", "--out", str(tmp_path / "cache")]) == 128 + int(getattr(signal, name))
+            err = capsys.readouterr().err
+            assert err == f"blockdraft extract: stopped by {name}; rerun the same command to continue\n", err
+            assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert set(cli.SIGNAL_AS_INTERRUPT) | {"train", "engine"} == set(cli.COMMANDS)  # every command decided

@@ -163,3 +163,39 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_is_exact(tm
     said, err = again.communicate(timeout=600)
     assert again.returncode == 0 and f"train: resuming from {out / 'checkpoint'} (step {step})" in said, err[-3000:]
     assert losses(out) == pytest.approx(losses(tmp_path / "ref"), rel=1e-6, abs=1e-7)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (Linux: SigCgt in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.slow  # about 13 s: a start-up stopped, then the rerun
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
+def test_a_signal_during_start_up_exits_75_with_one_line_and_a_rerun_that_works(tmp_path, tiny_target_dir,
+                                                                                 chat_data, name):
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "blockdraft", "train", "--target", tiny_target_dir, "--data", chat_data,
+            "--steps", "2", *TRAIN, "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(base, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    signum = getattr(signal, name)
+    deadline = time.monotonic() + 60
+    while not catches(p.pid, signum):  # as soon as the command line is read: before torch is imported
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.005)
+    p.send_signal(signum)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 75, err
+    lines = err.strip().splitlines()
+    assert lines[0] == f"blockdraft train: {name}: stopping before the first step (still starting up)", err
+    assert lines[-1] == (f"blockdraft train: stopped by {name} during start-up, before step 1: nothing was trained "
+                         "or saved; rerun the same command, without --resume, to start (exit code 75)"), err
+    assert "Traceback" not in err and not (out / "checkpoint").exists()
+    again = subprocess.run(base, env=env, capture_output=True, text=True, timeout=300)  # the advised rerun
+    assert again.returncode == 0, again.stderr
+    assert (out / "drafter").is_dir()

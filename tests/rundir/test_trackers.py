@@ -190,3 +190,106 @@ def test_blockdraft_imports_no_tracker_library():
             "print([m for m in ('tensorboard', 'trackio', 'wandb', 'mlflow') if m in sys.modules])")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert got.strip() == "[]"
+
+
+def flush_then_kill_9(out: str) -> None:
+    """In its own process: trackio gets steps 1-5 and a checkpoint's flush, then the process is killed."""
+    import signal
+
+    from blockdraft.rundir.trackers import Trackers
+
+    t = Trackers(["trackio"], Path(out), {"train": {"lr": 1.0}}, required=True)
+    for step in range(1, 6):
+        t.report({"step": step, "loss": 1.0 / step})
+    t.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no thread gets another turn
+
+
+def read_trackio(out: str) -> None:
+    from trackio.api import Api
+    from trackio.sqlite_storage import SQLiteStorage
+
+    os.environ["TRACKIO_DIR"] = str(Path(out) / "trackio")  # read before the import above in a fresh process
+    try:
+        runs = list(Api().runs("blockdraft"))
+    except Exception:  # noqa: BLE001 -- no project in the store: nothing was written
+        runs = []
+    print("TRACKIO " + json.dumps([[r["step"], r["loss"]] for run in runs for r in SQLiteStorage.get_logs(
+        "blockdraft", run.name, run_id=run.id)]))
+
+
+@pytest.mark.slow  # about 20 s: two processes import trackio
+def test_trackio_holds_every_flushed_step_through_a_kill_9(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRACKIO_DIR": str(tmp_path / "trackio"),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.run([sys.executable, "-c",
+                             f"from test_trackers import flush_then_kill_9 as f; f({str(tmp_path)!r})"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", f"from test_trackers import read_trackio as f; f({str(tmp_path)!r})"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("TRACKIO "))[8:])
+    assert got == [[s, pytest.approx(1.0 / s)] for s in range(1, 6)]  # trackio's own reader: none lost
+
+
+def test_report_to_naming_no_tracker_is_refused_not_taken_as_none():
+    from blockdraft.rundir.trackers import parse_report_to
+
+    for text in (" , ", ",", "", "  "):
+        with pytest.raises(ValueError, match="--report-to: no tracker named in"):
+            parse_report_to(text)
+    assert parse_report_to(" none ") == [] and parse_report_to("mlflow, ,") == ["mlflow"]
+
+
+@pytest.mark.parametrize("damage", [b"{\"mlflow\": {\"run_", b"[1, 2]", b"\xff\xfe"])
+def test_a_damaged_trackers_json_is_refused_before_a_second_mlflow_run_starts(tmp_path, damage):
+    from mlflow.tracking import MlflowClient
+
+    from blockdraft.rundir.trackers import Trackers
+    from blockdraft.train.run import check_resumed_state
+
+    first = Trackers(["mlflow"], tmp_path, {"train": {"lr": 1.0}}, required=True)
+    first.report({"step": 1, "loss": 0.5})
+    first.close()
+    (tmp_path / "trackers.json").write_bytes(damage)
+    with pytest.raises(ValueError, match="trackers.json .*(cannot be read|holds no JSON object).* delete it"):
+        Trackers(["mlflow"], tmp_path, {"train": {"lr": 1.0}}, resumed_at=1, required=True)
+    with pytest.raises(ValueError, match="trackers.json"):  # the same, before the target loads
+        check_resumed_state(tmp_path, "mlflow")
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())  # MLflow's own reader: still one run
+    assert len(client.search_runs([client.get_experiment_by_name("blockdraft").experiment_id])) == 1
+
+
+
+def tensorboard_on_a_full_disk(out: str) -> None:
+    """In its own process (pytest catches thread failures itself): TensorBoard's writes fail as on a
+    full disk after it started; three steps are reported."""
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    from blockdraft.rundir.trackers import Trackers
+
+    t = Trackers(["tensorboard"], Path(out), {"train": {"lr": 1.0}})
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    record_writer.RecordWriter.write = full
+    for step in range(1, 4):
+        t.report({"step": step, "loss": 0.5})
+    assert "tensorboard" not in t.open
+    t.close()
+
+
+@pytest.mark.slow  # about 10 s: a process imports torch and TensorBoard
+def test_tensorboard_on_a_full_disk_is_one_line_and_no_writer_thread_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", "from test_trackers import tensorboard_on_a_full_disk as f; "
+                           f"f({str(tmp_path)!r})"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.splitlines() == ["blockdraft train: warning: --report-to tensorboard could not write (OSError: "
+                                        "[Errno 28] No space left on device); training goes on without it"], done.stderr

@@ -133,3 +133,54 @@ def test_an_empty_cache_variable_is_the_default_cache_never_the_current_director
         assert cache_dir() == tmp_path / "home" / ".cache" / "blockdraft"
     monkeypatch.setenv("BLOCKDRAFT_CACHE", "~/elsewhere")
     assert cache_dir() == tmp_path / "home" / "elsewhere"
+
+
+def test_a_cache_variable_naming_a_file_is_not_a_directory_in_one_line(tmp_path, monkeypatch):
+    from blockdraft.target.files import resolve_target
+
+    afile = tmp_path / "cache"
+    afile.write_text("a file")
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(afile))
+    monkeypatch.setattr(target_cache, "load_gguf", lambda p: pytest.fail("converted"))
+    for where in (afile, afile / "deeper"):
+        monkeypatch.setenv("BLOCKDRAFT_CACHE", str(where))
+        said = fr"the cache {where} \(BLOCKDRAFT_CACHE\) is not a directory \({afile} is a file\)"
+        with pytest.raises(ValueError, match=said):
+            resolve_target(str(fake_gguf(tmp_path)))
+    from blockdraft.engines.vllm.launch import plugin_path  # the engines' folder there too
+
+    with pytest.raises(ValueError, match=fr"the cache {afile / 'engine'} \(BLOCKDRAFT_CACHE\) is not a directory"):
+        plugin_path(afile / "engine")
+    assert afile.read_text() == "a file"
+
+
+def test_a_cache_on_a_small_disk_is_refused_before_converting(tmp_path, monkeypatch, smollm2_dir):
+    import shutil as real_shutil
+
+    from blockdraft.rundir import atomic
+    from blockdraft.target.files import target_gguf
+
+    gguf = target_gguf("smollm2")
+    need = target_cache.converted_bytes(gguf)
+    written = sum(f.stat().st_size for f in Path(smollm2_dir).iterdir())  # the real conversion's entry
+    assert written <= need <= written + 32 * 2**20
+    usage = real_shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda p: usage._replace(free=2 * 2**20))  # a 2 MB disk
+    monkeypatch.setattr(target_cache, "load_gguf", lambda p: pytest.fail("converted before the check"))
+    monkeypatch.setattr(target_cache, "converted_bytes", lambda p: need)  # read once above (3 s)
+    with pytest.raises(ValueError, match=r"not enough disk space for the target converted from "
+                                         r"SmolLM2-135M-Instruct.Q4_1.gguf \(BLOCKDRAFT_CACHE\) .*2.0 MiB free"):
+        target_cache.convert_once(gguf, tmp_path / "entry")
+    assert not (tmp_path / "entry").exists()
+
+
+def test_a_disk_that_fills_while_converting_is_one_line_naming_the_cache(tmp_path, monkeypatch):
+    import errno
+
+    def full(gguf, tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(target_cache, "_write_entry", full)
+    with pytest.raises(ValueError, match=f"the target cache {tmp_path} ran out of disk space while converting "
+                                         "model.gguf; free some space or set BLOCKDRAFT_CACHE"):
+        target_cache.convert_once(fake_gguf(tmp_path), tmp_path / "entry")

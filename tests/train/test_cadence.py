@@ -102,3 +102,63 @@ def test_both_peaks_reach_the_metrics_as_per_rank_lists(tmp_path, monkeypatch):
     tr.train()
     lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(m["peak_mem_gib"] == [3.0] and m["peak_reserved_gib"] == [5.0] for m in lines)
+
+
+def test_each_put_off_says_so_in_one_line_with_its_reason():
+    clock, lines = Clock(), []
+    c = Cadence(2, 0.05, clock=clock, what="checkpoint", say=lines.append)
+    ran = []
+    for step in range(1, 11):
+        clock.t += 1.0
+        if c.due(step, 10):
+            ran.append(step)
+            c.run(lambda: setattr(clock, "t", clock.t + 2.0))
+    put_off = [s for s in range(2, 10, 2) if s not in ran]  # due by the period, not run
+    assert ran == [2, 10] and put_off == [4, 6, 8]
+    assert len(lines) == len(put_off) and all("\n" not in ln for ln in lines)
+    for step, line in zip(put_off, lines):
+        since = (2 + step) - 2.0  # now (1 s a step, 2 s the checkpoint) less when step 2's checkpoint began
+        assert line.startswith(f"checkpoint of step {step} put off: the last one took 2.0 s, more than 5% of the "
+                               f"{since:.1f} s since it began")
+
+
+def test_a_cadence_that_runs_every_time_says_nothing():
+    clock, lines = Clock(), []
+    c = Cadence(1, None, clock=clock, say=lines.append)
+    for step in range(1, 6):
+        clock.t += 1.0
+        assert c.due(step, 5)
+        c.run(lambda: setattr(clock, "t", clock.t + 100.0))
+    assert lines == []
+
+
+@pytest.mark.parametrize("save_best", [False, True])
+def test_save_best_evaluates_at_every_eval_every_on_a_gpu(save_best):
+    from blockdraft.train.trainer import Trainer, TrainConfig
+
+    clock, lines = Clock(), []
+    save, ev = Trainer.cadences(TrainConfig(out="x", eval_every=2, save_every=2, save_best=save_best), True,
+                                lines.append)
+    assert save.share == 0.05  # checkpoints stay bounded either way
+    ev.clock = clock
+    ran = []
+    for step in range(1, 11):
+        clock.t += 1.0
+        if ev.due(step, 10):
+            ran.append(step)
+            ev.run(lambda: setattr(clock, "t", clock.t + 5.0))  # an evaluation far over 5%
+    assert ran == ([2, 4, 6, 8, 10] if save_best else [2, 10])
+    assert len(lines) == (0 if save_best else 3)
+
+
+def test_the_help_states_the_share_the_trainer_uses():
+    import argparse
+
+    from blockdraft.cli import build_parser
+    from blockdraft.train.trainer import GPU_WORK_SHARE
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub.choices["train"]._actions}
+    for dest in ("save_every", "eval_every"):
+        assert f"over {GPU_WORK_SHARE:.0%}% of the wall time" in helps[dest]  # argparse's %% is one %
+    assert "none put off" in helps["save_best"]

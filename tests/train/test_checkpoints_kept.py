@@ -161,3 +161,27 @@ def test_a_crash_at_any_point_of_a_save_keeps_every_kept_one_whole_and_resumes_e
             (tmp_path / "ref" / BEST / "best.json").read_text())
         shutil.rmtree(out)
     assert len(points) >= 8, points  # the best's swap, the checkpoint's write, move, swap and prune
+
+
+@pytest.mark.parametrize("damage", [b'{"step": 3, "eval_', b'{"step": 3}', b'{"step": true, "eval_tau": 2.0}', None])
+def test_a_damaged_best_json_stops_the_resume_instead_of_being_replaced(tmp_path, damage):
+    from blockdraft.train.run import check_resumed_state
+
+    first = make(tmp_path, steps=6, save_best=True)
+    first.train()
+    kept = (tmp_path / BEST / "model.safetensors").read_bytes()
+    if damage is None:
+        (tmp_path / BEST / "best.json").unlink()
+    else:
+        (tmp_path / BEST / "best.json").write_bytes(damage)
+    with pytest.raises(ValueError, match=r"best\.json (cannot be read|does not hold a step and an eval_tau).*"
+                                         r"restore it, or move .*best away"):
+        check_resumed_state(tmp_path, save_best=True)  # before the target loads
+    again = make(tmp_path, steps=8, save_best=True)
+    with pytest.raises(ValueError, match="best.json"):
+        again.train(resume=True)
+    assert (tmp_path / BEST / "model.safetensors").read_bytes() == kept  # the best drafter is not replaced
+    check_resumed_state(tmp_path, save_best=False)  # a resume without --save-best does not read it
+    shutil.rmtree(tmp_path / BEST)  # moved away, as advised: the best starts over
+    make(tmp_path, steps=8, save_best=True).train(resume=True)
+    assert json.loads((tmp_path / BEST / "best.json").read_text())["step"] > 6

@@ -149,6 +149,13 @@ def test_a_failing_engine_stops_training_with_one_line(tmp_path, tiny_target_dir
     assert rc == 2 and len(err) == 1, err
     assert "the stand-in engine was told to fail here" in err[0] and str(tmp_path / "spool") in err[0]
     assert (tmp_path / "spool" / "engine-0.log").exists()  # kept: the error names it
+    import blockdraft.engines.vllm.launch as launch
+
+    said = (tmp_path / "spool" / "engine-0.log").read_bytes()
+    assert f"the next start keeps it in {tmp_path / 'spool' / 'previous'}" in err[0]
+    launch.prepare_spool(tmp_path / "spool")  # what the rerun does before its engines start
+    assert (tmp_path / "spool" / "previous" / "engine-0.log").read_bytes() == said
+    assert not (tmp_path / "spool" / "engine-0.log").exists() and not (tmp_path / "spool" / "engine-0.json").exists()
 
 
 @pytest.mark.parametrize("slow,flag,said", [("STUB_START_S", "--engine-start-min", "did not start within 0.02 min"),
@@ -337,3 +344,25 @@ def test_fp8_states_train_as_their_cache_does_and_stay_within_fp8s_error(tmp_pat
     run_training(offline)
     run_training(online)
     assert losses(tmp_path / "offline") == losses(tmp_path / "online")
+
+
+def test_a_spool_smaller_than_one_micro_batch_is_refused_before_any_engine_starts(tmp_path, tiny_target_dir, split,
+                                                                                  stand_in, monkeypatch):
+    import blockdraft.engines.vllm.launch as launch
+    from blockdraft.engines.vllm.spool import state_bytes
+
+    row = state_bytes(L, 4, 32, 4)  # one full row's states: 3 feature layers + the last, hidden 32, fp32
+    monkeypatch.setattr(launch, "start_engines", lambda *a, **kw: pytest.fail("an engine was started"))
+    for rows_per_step, budget in ((1, row // 4), (2, row)):  # far below one row; below two full-ish rows
+        vllm = EngineOptions(engine="vllm", spool=str(tmp_path / f"spool{rows_per_step}"), spool_gib=budget / 2**30)
+        cfg = config(tiny_target_dir, tmp_path / f"run{rows_per_step}", engine=vllm, rows_per_step=rows_per_step,
+                     data=DataOptions(data=str(split / "train.jsonl"), max_length=L, max_rows=0, eval_fraction=0.1))
+        with pytest.raises(ValueError, match=rf"{rows_per_step} rows of a micro-batch need at least .* GiB of "
+                                             r"states at once, more than the spool's .*: raise --spool-gib"):
+            run_training(cfg)
+    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool-x"), spool_gib=row / 4 / 2**30)
+    with pytest.raises(ValueError, match=r"a row needs .* GiB of states at once, more than the spool's .*: raise "
+                                         r"--spool-gib"):  # extract --engine vllm asks for one row at a time
+        run_extract(TargetOptions(target=tiny_target_dir, num_features=3),
+                    DataOptions(data=str(split / "train.jsonl"), max_length=L), ExtractOptions(out=str(tmp_path / "x")),
+                    vllm)

@@ -4,13 +4,15 @@ the library, `exits` how a command ends)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 
 from ..options import check_parsed
 from . import commands
 from .exits import interrupts, preempted, rerun_hint, exit_after_group, one_line  # noqa: F401
-from .parsers import train_parser, build, train_config  # noqa: F401 (the package's names)
+from .parsers import train_parser, build, train_config, unused_sampling  # noqa: F401 (the package's names)
 from .commands import speed_settings  # noqa: F401
 
 COMMANDS = {"train": commands.cmd_train, "regenerate": commands.cmd_regenerate, "prompts": commands.cmd_prompts,
@@ -50,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             interrupted.append("handled")
             args = seen.get("args")
             cmd = f" {args.cmd}" if getattr(args, "cmd", None) else ""
-            print(f"blockdraft{cmd}: interrupted; {rerun_hint(args)}", file=sys.stderr)
-            return 130
+            by = seen.get("signal")  # SIGTERM or SIGUSR1 to a command other than train (`start_up`)
+            print(f"blockdraft{cmd}: {f'stopped by {by}' if by else 'interrupted'}; {rerun_hint(args)}",
+                  file=sys.stderr)
+            return 128 + int(getattr(signal, by)) if by else 130
 
 
 def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
@@ -59,8 +63,11 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = seen["args"] = parser.parse_args(argv)
     if getattr(args, "cmd", None):  # the paths and devices the flags name, before any work
-        check_parsed(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd],
-                     args)
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
+        check_parsed(command, args)
+        unused = unused_sampling(args)  # a sampling flag greedy decoding would ignore
+        if unused:
+            command.error(unused)
     args.argv = argv[1:]  # the command's own flags (for --config replays)
     if args.cmd not in LATENCY_COMMANDS:
         # Spin-waiting OpenMP threads stall every small parallel region when another process
@@ -70,6 +77,63 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    with start_up(args, seen):
+        return _run(args, interrupted)
+
+
+# the commands a stop signal ends as a Ctrl-C does (train saves and stops; engine's server has its own)
+SIGNAL_AS_INTERRUPT = ("regenerate", "prompts", "extract", "convert", "doctor", "generate", "bench")
+
+
+def start_up(args, seen: dict):
+    """`train`: SIGTERM or SIGUSR1 from here to the training loop (the imports, the target, the data,
+    the engines) stops the run cleanly before its first step (`preempt.starting_up`). The commands of
+    SIGNAL_AS_INTERRUPT end on them as on Ctrl-C (what was finished is kept; one line naming the
+    signal and the rerun; exit 128 + the signal), instead of dying with no word."""
+    import contextlib
+
+    if args.cmd in SIGNAL_AS_INTERRUPT:
+        return _signal_as_interrupt(seen)
+    if args.cmd != "train":
+        return contextlib.nullcontext()
+    from ..preempt import starting_up
+
+    return starting_up(os.environ.get("RANK", "0") == "0")  # torchrun's rank: the group is not joined yet
+
+
+@contextlib.contextmanager
+def _signal_as_interrupt(seen: dict):
+    """SIGTERM and SIGUSR1 raise the interrupt Ctrl-C raises (`interrupts` delivers it outside any
+    import), `seen["signal"]` naming which; the handlers before are put back after."""
+    import _thread
+    import threading
+
+    from .exits import importing
+
+    def note(signum, frame):
+        seen.setdefault("signal", signal.Signals(signum).name)
+        if callable(signal.getsignal(signal.SIGINT)):  # `interrupts` is there: it delivers it outside imports
+            _thread.interrupt_main()
+        elif importing(frame):  # SIGINT ignored (a background job): never inside an import, again in 50 ms
+            threading.Timer(0.05, _thread.interrupt_main, args=(signum,)).start()
+        else:
+            raise KeyboardInterrupt
+
+    before = {}
+    try:
+        for name in ("SIGTERM", "SIGUSR1"):
+            num = getattr(signal, name)
+            before[num] = signal.signal(num, note)
+    except ValueError:  # not the main thread: the signals keep their default
+        pass
+    try:
+        yield
+    finally:
+        for num, old in before.items():
+            signal.signal(num, old if old is not None else signal.SIG_DFL)
+
+
+def _run(args, interrupted: list) -> int:
     from safetensors import SafetensorError
 
     from ..engines.vllm.job import EngineFailed

@@ -49,8 +49,9 @@ def cmd_regenerate(args) -> int:
         parse = parse.bind(generator.tokenizer)
     gpu = _has_gpu()
     new_tokens = args.max_new_tokens or (GPU_NEW_TOKENS if gpu else CPU_NEW_TOKENS)
+    seed = 0 if args.seed is None else args.seed  # None: not given (refused at --temperature 0: cli.unused_sampling)
     res = regenerate(generator, prompts, args.out, max_new_tokens=new_tokens, batch_size=args.batch_size,
-                     progress=not args.no_progress, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     progress=not args.no_progress, temperature=args.temperature, top_p=args.top_p, seed=seed,
                      keep_cut=args.keep_cut, parse=parse)
     print(f"regenerated {res['written']} answers ({res['skipped']} already done) -> {args.out}")
     print(f"cut at --max-new-tokens {new_tokens}: {res['cut']}; prompt fills the context: {res['over_context']}; "
@@ -62,7 +63,7 @@ def cmd_regenerate(args) -> int:
     if args.bundle:
         from ..data.regenerate import bundle_answers, sampling_of
 
-        n = bundle_answers(args.out, args.bundle, prompts, sampling_of(args.temperature, args.top_p, args.seed))
+        n = bundle_answers(args.out, args.bundle, prompts, sampling_of(args.temperature, args.top_p, seed))
         print(f"bundled {n} conversations in prompt-hash order -> {args.bundle}")
     return 0
 

@@ -41,7 +41,7 @@ def interrupts():
         if "handled" in got:
             return
         got.append(signum)
-        if _importing(frame):
+        if importing(frame):
             later.append(threading.Timer(0.05, _thread.interrupt_main))
             later[-1].start()
             return
@@ -61,7 +61,7 @@ def interrupts():
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _importing(frame) -> bool:
+def importing(frame) -> bool:
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True

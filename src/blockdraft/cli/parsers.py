@@ -116,7 +116,8 @@ def _add_regenerate(sub) -> None:
     r.add_argument("--temperature", type=Checked(float, min=0), default=0.0,
                    help="0: greedy; else sample each answer (as served), reproducibly from --seed")
     r.add_argument("--top-p", type=Checked(float, above=0, max=1), default=1.0, help="nucleus sampling mass")
-    r.add_argument("--seed", type=Checked(int), default=0, help="sampling seed (each prompt and turn draws its own)")
+    r.add_argument("--seed", type=Checked(int), default=None,
+                   help="sampling seed (each prompt and turn draws its own; default 0)")
     r.add_argument("--batch-size", type=Checked(int, min=1), default=8, help="prompts per generate call (vLLM: 64-256)")
     r.add_argument("--engine", choices=RUNNERS, default="transformers",
                    help="transformers' generate, or vLLM's batched generation (pip install -e '.[vllm]')")
@@ -201,9 +202,9 @@ def _add_doctor(sub) -> None:
                         "the target alone, before training)")
     d.add_argument("--data", default=None, type=Checked(str, check=existing(prefixes=("hf:",))),
                    help="conversations to check the loss masks on (as train's --data)")
-    d.add_argument("--show", type=Checked(int, min=1), default=0, metavar="N",
+    d.add_argument("--show", type=Checked(int, min=0), default=0, metavar="N",
                    help="first print N records of --data as the chat template renders them, the tokens that carry "
-                        "loss marked, and where reasoning, tool calls and tool results are")
+                        "loss marked, and where reasoning, tool calls and tool results are (0: none)")
     d.add_argument("--vllm", action="store_true",
                    help="also serve the drafter with vLLM (installed beside blockdraft) and compare its acceptance")
     d.add_argument("--llama-cpp", action="store_true",
@@ -256,6 +257,20 @@ def _add_bench(sub) -> None:
     b.add_argument("--plot", default=None, type=TEXT, help="write a PNG of the speedups here")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+
+def unused_sampling(args) -> str | None:
+    """What is wrong with a command's sampling flags, or None: at --temperature 0 (greedy, the default)
+    --top-p and --seed would change nothing, so giving them is refused rather than ignored."""
+    if getattr(args, "temperature", None) != 0:
+        return None
+    given = [flag for flag, dest, unset in (("--top-p", "top_p", 1.0), ("--seed", "seed", None))
+             if hasattr(args, dest) and getattr(args, dest) != unset]
+    if not given:
+        return None
+    flags = " and ".join(given)
+    return (f"{flags} only {'apply' if len(given) > 1 else 'applies'} when sampling, and --temperature 0 decodes "
+            f"greedily: give --temperature above 0, or drop {flags}")
 
 
 def build() -> argparse.ArgumentParser:

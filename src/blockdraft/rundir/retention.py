@@ -140,14 +140,25 @@ def check_kept(out: Path) -> None:
 
 
 def read_best(out: Path) -> dict | None:
-    """best/best.json: {"step", "eval_tau"} of the drafter kept there, None when there is none (or it
-    cannot be read: the next evaluation then replaces it)."""
-    try:
-        got = json.loads((out / BEST / BEST_JSON).read_text())
-    except (OSError, ValueError):
+    """best/best.json: {"step", "eval_tau"} of the drafter kept there, None when there is no best/.
+    A best/ whose best.json cannot be read is an error: read as none, the next evaluation would
+    replace a better drafter with a worse one."""
+    path = out / BEST / BEST_JSON
+    if not (out / BEST).exists():
         return None
-    ok = isinstance(got, dict) and isinstance(got.get("step"), int) and isinstance(got.get("eval_tau"), (int, float))
-    return got if ok else None
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())
+        got, problem = None, f"cannot be read ({why})"
+    else:
+        problem = "does not hold a step and an eval_tau"
+    ok = isinstance(got, dict) and isinstance(got.get("step"), int) and not isinstance(got.get("step"), bool) \
+        and isinstance(got.get("eval_tau"), (int, float)) and not isinstance(got.get("eval_tau"), bool)
+    if not ok:
+        raise ValueError(f"{path} {problem}: --save-best compares each evaluation with it; restore it, or move "
+                         f"{out / BEST} away to keep the best from now on")
+    return got
 
 
 def best_record(step: int, tau: float) -> str:

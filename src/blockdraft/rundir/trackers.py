@@ -45,6 +45,9 @@ def parse_report_to(text: str) -> list[str]:
     names = [n.strip().lower() for n in str(text).split(",") if n.strip()]
     if names == ["none"]:
         return []
+    if not names:  # blanks and commas only: a mistake, not a way to say none
+        raise ValueError(f"--report-to: no tracker named in {str(text)!r}; choose from {', '.join(KINDS)} "
+                         "(comma-separated) or none")
     bad = [n for n in names if n not in KINDS]
     if bad:
         raise ValueError(f"--report-to: unknown tracker {', '.join(map(repr, bad))}; choose from {', '.join(KINDS)} "
@@ -87,6 +90,7 @@ class TensorBoard:
     def __init__(self, out: Path, settings: dict, state: dict, resumed_at: int | None, continued: bool):
         from torch.utils.tensorboard import SummaryWriter
 
+        quiet_writer_threads()
         purge = resumed_at + 1 if resumed_at is not None else None  # hides the killed run's later steps
         self.writer = SummaryWriter(str(out / DIRS["tensorboard"]), purge_step=purge)
         if not continued:  # indented: one Markdown code block, and still JSON
@@ -100,6 +104,28 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def quiet_writer_threads() -> None:
+    """TensorBoard's event writer thread keeps a failed write (a full disk) for the next write or flush,
+    which raises it here (one warning: `Trackers`), and then raises it again itself, which Python prints
+    as a 17-line traceback before that line. Its thread's failures are left to the write that reports
+    them; every other thread's still reach the hook that was there."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    before = threading.excepthook
+    if getattr(before, "leaves_tensorboard_writers", False):
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, Exception):
+            return
+        before(args)
+
+    hook.leaves_tensorboard_writers = True
+    threading.excepthook = hook
 
 
 class MLflow:
@@ -191,6 +217,17 @@ class Trackio:
     def log(self, step: int, figs: dict) -> None:
         self.run.log(figs, step=step)
 
+    def sync(self) -> None:
+        """What was logged, in trackio's store now. trackio queues logs and a thread writes them every
+        0.5 s, so a kill -9 just after a checkpoint lost the steps before it (14 over 5 kills of a
+        --save-every 1 run). trackio 0.43 has no public flush: this runs its thread's own write, under
+        the lock that thread takes."""
+        write, lock = getattr(self.run, "_flush_queues_inline", None), getattr(self.run, "_client_lock", None)
+        if write is None or lock is None:
+            raise RuntimeError("this trackio version cannot be told to write its logged steps now (tested: 0.43)")
+        with lock:
+            write()
+
     def close(self) -> None:
         with contextlib.redirect_stdout(sys.stderr):
             self.run.finish()
@@ -266,9 +303,17 @@ class Trackers:
         self.pending.append((step, figs))
 
     def flush(self) -> None:
-        """The steps logged so far go to the trackers that wait for a checkpoint."""
+        """The steps logged so far go to the trackers that wait for a checkpoint, and are in their
+        stores when this returns (a tracker that writes on a thread is made to write: `sync`)."""
         pending, self.pending = self.pending, []
-        self._each(lambda t: [t.log(s, f) for s, f in pending], "could not write", only_live=False)
+
+        def write(t) -> None:
+            for s, f in pending:
+                t.log(s, f)
+            if hasattr(t, "sync"):
+                t.sync()
+
+        self._each(write, "could not write", only_live=False)
 
     def close(self, flush: bool = True) -> None:
         if flush:
@@ -279,12 +324,21 @@ class Trackers:
 
 
 def read_state(out: Path) -> dict:
-    """trackers.json: the tracker runs this directory continues ({} when absent or unreadable)."""
+    """trackers.json: the tracker runs this directory continues ({} when absent). One that is there but
+    cannot be read is an error: read as none, --resume would start second tracker runs beside the first."""
+    path = Path(out) / STATE
     try:
-        got = json.loads((Path(out) / STATE).read_text())
-    except (OSError, ValueError):
+        got = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
-    return {k: v for k, v in got.items() if k in KINDS and isinstance(v, dict)} if isinstance(got, dict) else {}
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())
+        raise ValueError(f"{path} cannot be read ({why}): it names the tracker runs --resume continues; restore "
+                         "it, or delete it to start new tracker runs beside the earlier ones") from None
+    if not isinstance(got, dict):
+        raise ValueError(f"{path} holds no JSON object: it names the tracker runs --resume continues; restore "
+                         "it, or delete it to start new tracker runs beside the earlier ones")
+    return {k: v for k, v in got.items() if k in KINDS and isinstance(v, dict)}
 
 
 def open_trackers(cfg, out: Path, settings: dict, resumed_at: int | None) -> Trackers | None:

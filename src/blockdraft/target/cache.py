@@ -12,6 +12,7 @@ A killed converter's temporary is removed by the next one.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..rundir.atomic import check_free_space
 from ..rundir.locks import locked, pid_alive
 from ..rundir.ownership import owned_by, remove_leftovers, temp_path, write_marker
 
@@ -91,19 +93,53 @@ def _write_entry(gguf_path: Path, tmp: Path) -> None:
         raise
 
 
+def converted_bytes(gguf_path: Path) -> int | None:
+    """About what the converted entry takes: every weight in fp32 and 16 MiB for the tokenizer's
+    files (SmolLM2: 513 MiB and 3.4 MiB); None when the file's header cannot be read (its load says
+    why). Reads the header only (about 3 s for SmolLM2, against the conversion's minutes)."""
+    try:
+        from gguf import GGUFReader
+
+        return 4 * sum(int(t.n_elements) for t in GGUFReader(gguf_path).tensors) + 16 * 2**20
+    except Exception:  # noqa: BLE001 -- not a GGUF this reader knows: the conversion itself reports it
+        return None
+
+
+def check_cache_dir(where: Path) -> None:
+    """The cache directory is one, or can be made (a file on its path: one line, not "File exists")."""
+    p = where
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise ValueError(f"the cache {where} (BLOCKDRAFT_CACHE) is not a directory ({p} is a file); set it to a "
+                         "directory")
+
+
 def convert_once(gguf_path: Path, out: Path) -> Path:
     """The cache entry `out` for `gguf_path`, converted here unless another process already did
-    (or is doing it: then this one waits for it)."""
+    (or is doing it: then this one waits for it). Room for it is checked before the conversion, and
+    a disk that fills anyway is one line naming the cache."""
     out = Path(out)
     if complete(out):
         return out
+    check_cache_dir(out.parent)
     with locked(out, "target cache", wait=True, lead=True):  # every rank: no rank waits on a collective here
         if complete(out):
             return out
         remove_leftovers(out)
         _remove_legacy(out)
+        need = converted_bytes(Path(gguf_path))
+        if need is not None:
+            check_free_space(out.parent, need, f"the target converted from {Path(gguf_path).name} (BLOCKDRAFT_CACHE)")
         tmp = temp_path(out)
-        _write_entry(Path(gguf_path), tmp)
+        try:
+            _write_entry(Path(gguf_path), tmp)
+        except Exception as e:  # safetensors' own error names no file and no fix
+            if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
+                raise
+            raise ValueError(f"the target cache {out.parent} ran out of disk space while converting "
+                             f"{Path(gguf_path).name}; free some space or set BLOCKDRAFT_CACHE to another "
+                             "directory") from None
         if out.is_symlink():
             out.unlink()
         elif out.exists():  # an incomplete entry (a converter that died, an older release's): rebuilt

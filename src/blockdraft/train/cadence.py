@@ -1,8 +1,9 @@
 """When a run stops training to checkpoint or evaluate. On a CPU: every N steps, as asked. On a GPU a
 step takes a second and a checkpoint of an 8B-sized drafter (11.7 GiB with AdamW's moments) or 256
 held-out rows far longer, so there the periodic work is also bounded to a share of the wall time:
-it is put off while the last one took more than `share` of the time since it ended. The last step
-always saves and evaluates, so nothing finished is lost by a skipped one."""
+it is put off while the last one took more than `share` of the time since it began, and one line
+says so with the reason (`say`). The last step always saves and evaluates, so nothing finished is
+lost by a skipped one."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import time
 
 class Cadence:
     def __init__(self, every: int, share: float | None, *, first: bool = False, clock=time.perf_counter,
-                 agree=None):
+                 agree=None, what: str = "the work", say=None):
         """`every`: the period in steps; `share`: the most of the wall time the work may take (None: no
         bound); `first`: also due after step 1 (a write that fails, fails early); `agree`: makes one
-        decision of every rank's (their clocks differ, and the work is collective: `rank0_says`)."""
+        decision of every rank's (their clocks differ, and the work is collective: `rank0_says`);
+        `what` names the work and `say` (rank 0's; None: silent) gets one line for each time it is put
+        off."""
         self.every, self.share, self.first, self.clock = every, share, first, clock
         self.agree = agree or (lambda flag: flag)
+        self.what, self.say = what, say
         self.cost = 0.0  # seconds the last one took
         self.ended = None  # when it ended
 
@@ -28,7 +32,12 @@ class Cadence:
         if self.share is None or self.ended is None:
             return True
         since = self.clock() - self.ended
-        return self.agree(self.cost <= self.share * (since + self.cost))
+        go = self.agree(self.cost <= self.share * (since + self.cost))
+        if not go and self.say is not None:
+            self.say(f"{self.what} of step {step} put off: the last one took {self.cost:.1f} s, more than "
+                     f"{self.share:.0%} of the {since + self.cost:.1f} s since it began (on a GPU, periodic "
+                     f"work is bounded to {self.share:.0%} of the wall time; the last step always runs it)")
+        return go
 
     def run(self, fn):
         """Run the work and time it."""

@@ -85,12 +85,19 @@ def check_resume(out: str | Path, resume: bool) -> None:
                          "a new run there (with --overwrite where an earlier one is)")
 
 
-def check_resumed_state(out: Path) -> None:
-    """The checkpoint's record and the metrics a resume reads, read now rather than after the target
-    loaded: one line naming a damaged file (a torn last metrics line is repaired, and said, later)."""
+def check_resumed_state(out: Path, report_to: str = "none", save_best: bool = False) -> None:
+    """The checkpoint's record, the metrics, and (with trackers) trackers.json and (--save-best)
+    best.json a resume reads, read now rather than after the target loaded: one line naming a damaged
+    file (a torn last metrics line is repaired, and said, later)."""
+    from ..rundir.trackers import parse_report_to, read_state
+
     run = RunDir(out)
     run.checked_meta()
     run.metrics_lines(say=False)
+    if parse_report_to(report_to):
+        read_state(out)
+    if save_best:
+        run.read_best()
 
 
 def adopt_cache_length(cfg: RunConfig) -> None:
@@ -206,7 +213,7 @@ def run_training(cfg: RunConfig) -> dict:
     check_resume(tc.out, tc.resume)
     preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
     if tc.resume:
-        check_resumed_state(Path(tc.out))
+        check_resumed_state(Path(tc.out), tc.report_to, tc.save_best)
     for cache in (cfg.data.features_cache, cfg.data.eval_features_cache):
         if cache:  # the manifest and every shard's header, before the target loads
             check_cache(cache, cfg.data.max_length)
@@ -254,6 +261,7 @@ def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, 
          device: str, record: dict | None = None) -> dict:
     """`record`: what summary.json adds about where the features came from (an online run's engines)."""
     from ..checkpoint.native import load_drafter
+    from ..preempt import noted
     from .trainer import Trainer
 
     if cfg.drafter.init_drafter:
@@ -268,8 +276,8 @@ def _run(cfg: RunConfig, tc: TrainConfig, target, train_rows, eval_rows, feats, 
           f"{0 if eval_rows is None else eval_rows['input_ids'].shape[0]} held-out rows, {trainer.total} steps, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, device {device}"
           + (f", rank {rank} of {world_size}" if world_size > 1 else ""))
-    if tc.overwrite and rank == 0:  # the earlier run goes only now that this one is ready to start
-        RunDir(tc.out).clear()
+    if tc.overwrite and rank == 0 and noted() is None:  # the earlier run goes only now that this one is ready
+        RunDir(tc.out).clear()  # to start (not when a stop was asked while starting up: `Trainer.train`)
     summary = trainer.train(resume=tc.resume)
     if rank != 0:
         return summary

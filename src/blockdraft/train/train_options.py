@@ -30,15 +30,19 @@ class TrainConfig:
                               choices=("fixed", "acceptance", "dpace"))
     dpace_alpha: float = opt(0.5, "--gamma-schedule dpace: the confidence smoothing, in (0, 1] (speculators' 0.5)",
                              above=0, max=1)
-    eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end)", min=1)
-    save_every: int = opt(25, "checkpoint every N steps (and after the first and the last)", min=1)
+    eval_every: int = opt(50, "evaluate the held-out rows every N steps (and at the end); on a GPU one is put off, "
+                              "with a line saying why, while the last took over 5% of the wall time since it "
+                              "began (never with --save-best)", min=1)
+    save_every: int = opt(25, "checkpoint every N steps (and after the last; on a CPU also after the first); on a "
+                              "GPU one is put off, with a line saying why, while the last took over 5% of the wall "
+                              "time since it began", min=1)
     save_every_min: float | None = opt(None, "also checkpoint when M minutes passed since the last one, whichever "
                                              "of it and --save-every comes first (rank 0's clock decides for all "
                                              "ranks)", above=0, metavar="M")
     keep_checkpoints: int = opt(1, "resumable checkpoints kept: checkpoint/ the newest, the N-1 before it in "
                                    "checkpoints/step-N/", min=1, metavar="N")
     save_best: bool = opt(False, "also keep the drafter of the best held-out tau in best/ (best.json: its step and "
-                                 "tau)")
+                                 "tau); every --eval-every evaluation runs, none put off")
     seed: int = opt(0, "seed of the drafter's initialisation, the data order, the anchors and the split")
     gradient_checkpointing: bool = opt(False, "recompute the drafter layers in backward (less memory)")
     fsdp: bool = opt(False, "under torchrun: shard the drafter's parameters, gradients and optimizer state over "

@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint.native import save_drafter
 from ..finite import check_step
-from ..preempt import Preempted, StepLost, StopSignals
+from ..preempt import Preempted, StepLost, StopSignals, trained
 from .distributed import (all_gather_floats, all_reduce_mean, average_gradients, barrier, check_same, clip_grad_norm,
                           gradient_sync, grouped, world)
 from .cadence import Cadence, poll, rank0_says
@@ -116,9 +116,25 @@ class Trainer:
         self.plan_ahead = gpu
         self._planned: dict = {}
         self._planner = None
+        self.save_cadence, self.eval_cadence = self.cadences(cfg, gpu, self._note if self.rank == 0 else None)
+
+    @staticmethod
+    def cadences(cfg: TrainConfig, gpu: bool, say=None) -> tuple[Cadence, Cadence]:
+        """(checkpoints', evaluations') cadence: on a GPU each bounded to GPU_WORK_SHARE of the wall time,
+        except the evaluations of --save-best, which promises the best of every --eval-every one."""
         share = GPU_WORK_SHARE if gpu else None
-        self.save_cadence = Cadence(cfg.save_every, share, first=not gpu, agree=rank0_says)
-        self.eval_cadence = Cadence(cfg.eval_every, share, agree=rank0_says)
+        return (Cadence(cfg.save_every, share, first=not gpu, agree=rank0_says, what="checkpoint", say=say),
+                Cadence(cfg.eval_every, None if cfg.save_best else share, agree=rank0_says,
+                        what="held-out evaluation", say=say))
+
+    @staticmethod
+    def _note(line: str) -> None:
+        """One line on stderr, below the progress bar rather than through it."""
+        import sys
+
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"blockdraft train: {line}", file=sys.stderr)
 
     def gamma(self):
         """This step's slot weighting (`gamma_schedule`): a fixed gamma, one following the acceptance,
@@ -394,15 +410,20 @@ class Trainer:
         from tqdm.auto import tqdm
 
         lead = self.rank == 0
-        self._start(resume, lead)
-        if hasattr(self.train_features, "begin"):
-            self.train_features.begin(self.schedule(self.progress["step"]))
-        bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
-                   desc="train", unit="step", dynamic_ncols=True)
-        last_eval: dict = {}
-        t0 = time.time() - self.progress["elapsed"]
-        self._saved_at = time.monotonic()
         with StopSignals(lead) as signals:  # SIGTERM, SIGUSR1, a first Ctrl-C: save this step and stop
+            if poll(signals.got is not None, False)[0]:  # asked while starting up: stop before writing anything
+                self._close_helpers()
+                raise Preempted(self.progress["step"], signals.got or "a signal another rank received", self.ckpt_dir,
+                                starting=True, resumed=resume)
+            self._start(resume, lead)
+            if hasattr(self.train_features, "begin"):
+                self.train_features.begin(self.schedule(self.progress["step"]))
+            bar = tqdm(total=self.total, initial=self.progress["step"], disable=not (self.cfg.progress and lead),
+                       desc="train", unit="step", dynamic_ncols=True)
+            last_eval: dict = {}
+            t0 = time.time() - self.progress["elapsed"]
+            self._saved_at = time.monotonic()
+            last_eval = self._owed_eval(bar)
             while self.progress["step"] < self.total:
                 try:
                     m = self.step()
@@ -431,12 +452,29 @@ class Trainer:
                     self._save_now()
             bar.close()
             self._finish(lead)
+        trained()  # a stop signal from here on has nothing to stop (`preempt.starting_up`)
         return {"step": self.progress["step"], "tokens": self.progress["tokens"], **last_eval}
 
-    def _evaluate(self, step: int, m: dict, bar) -> dict | None:
-        """The held-out evaluation where due (None where not): every rank evaluates its share, rank 0
-        logs; then --save-best's drafter."""
-        if self.eval_rows is None or not self.eval_cadence.due(step, self.total):
+    def _owed_eval(self, bar) -> dict:
+        """The evaluation a stop put off (`_stop`), run before a resumed run's first step: its figures
+        join the step's line in metrics.jsonl (rewritten whole), and go to the trackers under that step
+        (the training figures they already have are not sent again)."""
+        owed = self.progress.pop("owed_eval", None)
+        if owed is None:
+            return {}
+        step = self.progress["step"]
+        got = self._evaluate(step, owed, bar, owed=True) or {}
+        if got and self.rank == 0:
+            self.run.truncate_metrics(step - 1)  # the step's line without its evaluation, when logged
+            self.run.append_metrics(owed, kept=self.saved_step)
+            if self.trackers:
+                self.trackers.report({"step": step, **got} if step % self.cfg.log_every == 0 else owed)
+        return got
+
+    def _evaluate(self, step: int, m: dict, bar, owed: bool = False) -> dict | None:
+        """The held-out evaluation where due (None where not; `owed`: one a stop put off, due now):
+        every rank evaluates its share, rank 0 logs; then --save-best's drafter."""
+        if self.eval_rows is None or not (owed or self.eval_cadence.due(step, self.total)):
             return None
         bar.set_description("train (evaluating)")
         self._begin_eval(step)
@@ -478,14 +516,19 @@ class Trainer:
         self._saved_at = time.monotonic()
 
     def _stop(self, m: dict | None, signame: str | None) -> None:
-        """A stop was asked on some rank: this step logged (its held-out evaluation, if due, skipped:
-        the save comes first) and saved by every rank, the helper threads stopped; raises Preempted.
+        """A stop was asked on some rank: this step logged (its held-out evaluation, if due, owed to
+        --resume: the save comes first) and saved by every rank, the helper threads stopped; raises Preempted.
         `m` None: the step was thrown away (StepLost), the last whole one is saved."""
         step = self.progress["step"]
         if m is not None and step % self.cfg.log_every == 0:
             self.log(m)
-        if self.saved_step != step:
+        if m is not None and self.eval_rows is not None and "eval_tau" not in m and step % self.cfg.eval_every == 0:
+            # the evaluation due here is owed: the checkpoint keeps this step's record, and --resume
+            # evaluates first and completes the step's line (`_owed_eval`), as a run never stopped has it
+            self.progress["owed_eval"] = m
+        if self.saved_step != step or "owed_eval" in self.progress:
             self._save_now()
+        self.progress.pop("owed_eval", None)
         self._close_helpers()
         if self.trackers:  # what they hold up to the checkpoint was flushed by the save
             self.trackers.close()

@@ -59,8 +59,8 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
     from ...target import final_norm_of
     from ..base import architectures
     from .capture import RowsAhead, SpoolReader, StateReader, capture_ids
-    from .launch import budget_of, open_engines
-    from .engine_options import spool_dir
+    from .launch import budget_of, open_engines, running
+    from .engine_options import spool_budget, spool_dir
 
     L, ids = rows["input_ids"].shape[1], capture_ids(target.layer_ids, target.num_layers)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -69,6 +69,12 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
             "states": engine.engine_states}
     print(f"extract: vLLM captures {len(order)} rows ({len(order) * L:,} tokens), layers {ids} (vLLM's aux ids: the "
           f"inputs of those layers, i.e. blockdraft's {list(target.layer_ids)} + 1, and the last layer's output)")
+    if running(root, want) is None:  # each row is one item of the spool: the largest must fit new engines' budget
+        sizer = StateReader(target, rows, final_norm_of(target.model), itemsize, fp8=engine.engine_states == "fp8")
+        most, budget = max(sizer.nbytes(torch.tensor([i])) for i in order), spool_budget(engine, root)
+        if most > budget:
+            raise ValueError(f"a row needs {most / 2**30:.3f} GiB of states at once, more than the spool's "
+                             f"{budget / 2**30:.3f} GiB: raise --spool-gib, or lower --max-length")
     engines = open_engines(root, want, engine, max_model_len=L + 8, itemsize=itemsize,
                            on_gpu=target.device.type == "cuda", architectures=architectures(target))
     ok, reader = False, None

@@ -171,7 +171,7 @@ def stated_cause(log: str) -> str | None:
     a signal (CAUSES in that order), else the first error vLLM logged at its ERROR level, else the
     first error anywhere but in a warning's traceback (vLLM went on after it); None when no line says. An error
     is given from its exception's name on (`AssertionError: CPU GDN attention requires BF16.`)."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in _not_warnings(log.splitlines()) if ln.strip()]
     for cause in CAUSES:
         found = next((ln for ln in lines if cause in ln), None)
         if found:
@@ -188,6 +188,24 @@ def stated_cause(log: str) -> str | None:
                 said += f" ({code})" if code else ""
             return said
     return None
+
+
+LEVELS = re.compile(r"(^|\s)(DEBUG|INFO|WARNING|ERROR|CRITICAL)(\s|$)")
+# what every engine logs at start and goes on from: never why one stopped
+HARMLESS = ("skip_tokenizer_init",)
+
+
+def _not_warnings(lines: list[str]) -> list[str]:
+    """The log's lines but a warning's: a line at WARNING level, the lines under it up to the next line
+    that names a level (a traceback vLLM logs with the warning), and the HARMLESS ones."""
+    kept, warned = [], False
+    for ln in lines:
+        level = LEVELS.search(ln)
+        if level:
+            warned = level.group(2) == "WARNING"
+        if not warned and not any(h in ln for h in HARMLESS):
+            kept.append(ln)
+    return kept
 
 
 def failure_cause(log: str) -> str:

@@ -41,6 +41,9 @@ START_S = 3600.0  # a replica that has not said it is ready after this long fail
 
 def plugin_path(root: Path) -> Path:
     """A folder for PYTHONPATH that gives vLLM's environment this blockdraft and its plugin entry point."""
+    from ...target.cache import check_cache_dir
+
+    check_cache_dir(root)  # under BLOCKDRAFT_CACHE, which may name a file
     pkg = root / "pkg"
     pkg.mkdir(parents=True, exist_ok=True)
     link = pkg / "blockdraft"
@@ -95,15 +98,25 @@ def check_engine_python(python: str, untested: bool = False) -> str | None:
     return version
 
 
+PREVIOUS = "previous"  # the spool's folder holding the engines' logs of the start before this one
+
+
 def prepare_spool(root: Path) -> Spool:
     """A spool directory for a new set of engines: a new or empty one, or one an earlier run of blockdraft
-    made (its contents are only ever recomputable states, so they go)."""
+    made (its states are only ever recomputable, so they go). The earlier engines' logs, which a
+    failure's line names, move to `previous/` (replacing the ones there) rather than going with them."""
     from ...rundir.ownership import check_owned, write_marker
 
     check_owned(root, OWNER)
     root.mkdir(parents=True, exist_ok=True)
+    logs = [e for e in root.glob("engine-*.log") if e.is_file() and not e.is_symlink()]
+    if logs:
+        shutil.rmtree(root / PREVIOUS, ignore_errors=True)
+        (root / PREVIOUS).mkdir()
+        for log in logs:
+            log.rename(root / PREVIOUS / log.name)
     for entry in root.iterdir():
-        if entry.name.startswith(".blockdraft-owner"):
+        if entry.name.startswith(".blockdraft-owner") or (logs and entry.name == PREVIOUS):
             continue
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     write_marker(root, OWNER) if not (root / ".blockdraft-owner.json").exists() else None
@@ -180,7 +193,7 @@ class Engines:
             if why is not None:
                 kind = EngineStopped if r.signalled() else EngineFailed
                 raise kind(f"the vLLM engine {self.where}feeding {self.spool.root} (replica {r.index}) stopped: {why} "
-                           f"(its log: {r.log})")
+                           f"(its log: {r.log}; the next start keeps it in {r.log.parent / PREVIOUS})")
 
     def wait_ready(self, progress=print) -> list[dict]:
         """Block until every replica says it is ready (a start can take many minutes: loading, compiling),
@@ -196,7 +209,8 @@ class Engines:
                 said = late.cause()
                 raise EngineFailed(f"the vLLM engine {self.where}feeding {self.spool.root} (replica {late.index}) did "
                                    f"not start within {self.start_s / 60:g} min (--engine-start-min)"
-                                   + (f"; its log last said: {said}" if said else "") + f" (its log: {late.log})")
+                                   + (f"; its log last said: {said}" if said else "")
+                                   + f" (its log: {late.log}; the next start keeps it in {late.log.parent / PREVIOUS})")
             if time.time() - t0 - said >= 60:
                 said = time.time() - t0
                 progress(f"engine: waiting for vLLM to start ({said:.0f} s; log: {self.replicas[0].log})")

@@ -71,7 +71,8 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     with --engine-endpoints, the readers of servers on other nodes instead (`remote`)."""
     from .capture import (OnlineFeatures, SpoolReader, StateReader, StopGuard, capture_ids,
                                         check_can_capture)
-    from .launch import attach_engines, budget_of, open_engines
+    from .engine_options import spool_budget
+    from .launch import attach_engines, budget_of, open_engines, running
     from .spool import Spool
     from ..base import architectures
     from ...target import final_norm_of
@@ -88,8 +89,17 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     root = spool_dir(opts, cfg.train.out, node_rank())
     want = {"target": str(target.local_dir), "aux_ids": capture_ids(target.layer_ids, target.num_layers),
             "dtype": dtype, "states": opts.engine_states}
+    norm = final_norm_of(target.model)
+
+    def state_reader(rows):
+        return StateReader(target, rows, norm, itemsize, labels_only=True, fp8=opts.engine_states == "fp8")
+
     engines = None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # the node's engines, started once per node
+        if running(root, want) is None:  # new engines' budget: a micro-batch must fit, said before they start
+            per_batch = max(1, cfg.train.batch_tokens // train_rows["input_ids"].shape[1])
+            check_spool_fits([(state_reader(r), r) for r in (train_rows, eval_rows) if r is not None], per_batch,
+                             spool_budget(opts, root))
         engines = open_engines(root, want, opts, max_model_len=train_rows["input_ids"].shape[1] + 8,
                                itemsize=itemsize, on_gpu=target.device.type == "cuda",
                                architectures=architectures(target))
@@ -102,18 +112,12 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
         engines.where = f"on node {node_rank()} ({socket.gethostname()}) "
     states = engines.wait_ready(progress=print if rank == 0 else (lambda s: None))
     if rank == 0:
-        print("engine: ready (" + "; ".join(f"replica {r.index}: {st.get('dtype')}"
-                                           + (f", {st['quantization']}" if st.get("quantization") else "")
-                                           + (f", {describe_layout(st['layout'])}" if st.get("layout") else "")
-                                           for r, st in zip(engines.replicas, states)) + ")")
+        say_ready(engines, states)
     budget = budget_of(root)
     tag = hashlib.sha256(str(Path(cfg.train.out).resolve()).encode()).hexdigest()[:8]
-    norm = final_norm_of(target.model)
 
     def reader(rows, suffix):
-        return SpoolReader(StateReader(target, rows, norm, itemsize, labels_only=True,
-                                       fp8=opts.engine_states == "fp8"), engines.spool, engines,
-                           f"{tag}-r{rank}{suffix}", budget)
+        return SpoolReader(state_reader(rows), engines.spool, engines, f"{tag}-r{rank}{suffix}", budget)
 
     # requests are small (token ids); the engines hold the spool to its budget however far ahead they go
     # a preemption that stops the engines mid-step throws that step away on every rank (StopGuard)
@@ -122,6 +126,28 @@ def start_online(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     served = [{"dtype": st.get("dtype"), "quantization": st.get("quantization"), "layout": st.get("layout")}
               for st in states]
     return Online(engines, train_f, eval_f, served)
+
+
+def say_ready(engines, states: list[dict]) -> None:
+    """The line saying what every replica serves, once all are ready."""
+    print("engine: ready (" + "; ".join(f"replica {r.index}: {st.get('dtype')}"
+                                       + (f", {st['quantization']}" if st.get("quantization") else "")
+                                       + (f", {describe_layout(st['layout'])}" if st.get("layout") else "")
+                                       for r, st in zip(engines.replicas, states)) + ")")
+
+
+def check_spool_fits(readers: list, per_batch: int, budget: int) -> None:
+    """Even the smallest micro-batch (its `per_batch` smallest rows) of the training or held-out rows
+    needs more spool than `budget`: one line now, not after the engines took minutes to start (a
+    reader asks for a whole micro-batch at once: `SpoolReader.ask`)."""
+    for reader, rows in readers:
+        sizes = sorted(reader.nbytes(torch.tensor([i])) for i in range(rows["input_ids"].shape[0]))
+        k = min(per_batch, len(sizes))
+        least = sum(sizes[:k])
+        if least > budget:
+            raise ValueError(f"{k} rows of a micro-batch need at least {least / 2**30:.3f} GiB of states at once, "
+                             f"more than the spool's {budget / 2**30:.3f} GiB: raise --spool-gib, or lower "
+                             "--batch-tokens")
 
 
 def start_remote(cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Online:
