@@ -291,50 +291,26 @@ def loss_chunk_slots(device, vocab: int, free_bytes: int | None = None) -> int:
     return chunk_slots(cuda_free_bytes(device) if free_bytes is None else free_bytes, vocab)
 
 
-def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,
-                        gamma: "float | DPace", kind: str = "soft", draft_vocab: torch.Tensor | None = None,
-                        chunk: int = 256, sync_metrics: bool = True, terms=None,
-                        prev: torch.Tensor | None = None,
-                        host_supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
-    never holding the [S, Vd] draft logits nor an [S, V] copy of the labels, nor (labels as the
-    target's final states: `Labels.hidden`) its [P, V] logits: peak memory one chunk, both sides.
+class _ChunkShare:
+    """`dflash_loss_chunked`'s share of one chunk, called as `share(h, span)` by `fused_chunks`."""
 
-    Each chunk's draft and label logits are made once and its share of the loss differentiated at
-    once (`fused_chunks`: no head runs again in backward). A chunk adds up its slots' weighted losses
-    and weights; the loss is the sum over chunks divided by the weights' sum, a constant of the step.
-    D-PACE's weights of a slot read only its own block's drafts, so under D-PACE a chunk holds whole
-    blocks (at least one), found from the supervised mask on the host (`host_supervised`, default
-    `supervised` read back).
+    def __init__(self, lab, terms, prev, supervised, gamma, kind, draft_vocab, *, restrict, width, fixed,
+                 need_rows, where):
+        self.lab, self.terms, self.prev, self.supervised = lab, terms, prev, supervised
+        self.gamma, self.kind, self.draft_vocab = gamma, kind, draft_vocab
+        self.restrict, self.width, self.fixed, self.need_rows, self.where = restrict, width, fixed, need_rows, where
+        self.dpace = isinstance(gamma, DPace)
 
-    `terms` (a drafter kind's `SlotTerms`, model/kinds/) replaces `head`: its logits (DSpark adds its
-    Markov bias, from each slot's previous token `prev` [S]) and the per-slot loss it adds, weighted
-    as the token loss's slots are (times `terms.weight`)."""
-    from ..model.kinds import SlotTerms
-    from ..model.kinds.base import to_target_ids
-
-    terms = terms or SlotTerms(None, head, draft_vocab)
-    S = hidden.shape[0]
-    prev = torch.zeros(S, dtype=torch.long, device=hidden.device) if prev is None else prev
-    lab = as_labels(target_logits)
-    if S == 0 or lab.index.shape[0] != S:
-        return dflash_loss(terms.logits(hidden, prev), target_logits, supervised, gamma=gamma, kind=kind,
-                           draft_vocab=draft_vocab, sync_metrics=sync_metrics)
-    restrict, width = _label_form(lab, kind, draft_vocab)
-    N, B = supervised.shape
-    dpace = isinstance(gamma, DPace)
-    fixed = None if dpace else slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
-    need_rows = kind != "hard" or terms.reads_label_rows or lab.top is None
-    host_sup = where = None
-    if dpace:
-        host_sup = (supervised if host_supervised is None else host_supervised).cpu()
-        # each slot's place in the flat [N * B] mask, from the host: a chunk scatters its confidences and
-        # gathers its weights by index, not by a boolean mask (each a device read on CUDA)
-        where = host_sup.reshape(-1).nonzero()[:, 0].to(supervised.device, non_blocking=True)
-
-    def share(h, span):
+    def __call__(self, h, span):
         """The chunk of slots i..j (blocks b..e under D-PACE): its weighted loss, and per slot the
         drafted id, the target's argmax and the weight."""
+        lab, terms, prev, supervised, gamma, kind, draft_vocab = (self.lab, self.terms, self.prev, self.supervised,
+                                                                  self.gamma, self.kind, self.draft_vocab)
+        restrict, width, fixed, need_rows, where, dpace = (self.restrict, self.width, self.fixed, self.need_rows,
+                                                           self.where, self.dpace)
+        from ..model.kinds.base import to_target_ids
+
+        B = supervised.shape[1]
         i, j, b, e = span
         t = lab.rows(i, j) if need_rows else None  # [c, V or Vd], made here (no grad), freed after
         if t is not None and width is not None and t.shape[-1] != width:
@@ -365,6 +341,50 @@ def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: t
         value = torch.stack([value, terms.weight * (plain * added).sum()])
         return value, (picked, top, torch.stack([w, plain], 1).detach())
 
+
+def dflash_loss_chunked(hidden: torch.Tensor, head, target_logits, supervised: torch.Tensor, *,
+                        gamma: "float | DPace", kind: str = "soft", draft_vocab: torch.Tensor | None = None,
+                        chunk: int = 256, sync_metrics: bool = True, terms=None,
+                        prev: torch.Tensor | None = None,
+                        host_supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """`dflash_loss` from the supervised slots' hidden states [S, Hd] and `head` (hidden -> [*, Vd]),
+    never holding the [S, Vd] draft logits nor an [S, V] copy of the labels, nor (labels as the
+    target's final states: `Labels.hidden`) its [P, V] logits: peak memory one chunk, both sides.
+
+    Each chunk's draft and label logits are made once and its share of the loss differentiated at
+    once (`fused_chunks`: no head runs again in backward). A chunk adds up its slots' weighted losses
+    and weights; the loss is the sum over chunks divided by the weights' sum, a constant of the step.
+    D-PACE's weights of a slot read only its own block's drafts, so under D-PACE a chunk holds whole
+    blocks (at least one), found from the supervised mask on the host (`host_supervised`, default
+    `supervised` read back).
+
+    `terms` (a drafter kind's `SlotTerms`, model/kinds/) replaces `head`: its logits (DSpark adds its
+    Markov bias, from each slot's previous token `prev` [S]) and the per-slot loss it adds, weighted
+    as the token loss's slots are under a gamma, by the slots' plain weights under D-PACE (times
+    `terms.weight`)."""
+    from ..model.kinds import SlotTerms
+
+    terms = terms or SlotTerms(None, head, draft_vocab)
+    S = hidden.shape[0]
+    prev = torch.zeros(S, dtype=torch.long, device=hidden.device) if prev is None else prev
+    lab = as_labels(target_logits)
+    if S == 0 or lab.index.shape[0] != S:
+        return dflash_loss(terms.logits(hidden, prev), target_logits, supervised, gamma=gamma, kind=kind,
+                           draft_vocab=draft_vocab, sync_metrics=sync_metrics)
+    restrict, width = _label_form(lab, kind, draft_vocab)
+    N, B = supervised.shape
+    dpace = isinstance(gamma, DPace)
+    fixed = None if dpace else slot_weights(B, gamma, supervised.device).expand(N, B)[supervised]  # [S]
+    need_rows = kind != "hard" or terms.reads_label_rows or lab.top is None
+    host_sup = where = None
+    if dpace:
+        host_sup = (supervised if host_supervised is None else host_supervised).cpu()
+        # each slot's place in the flat [N * B] mask, from the host: a chunk scatters its confidences and
+        # gathers its weights by index, not by a boolean mask (each a device read on CUDA)
+        where = host_sup.reshape(-1).nonzero()[:, 0].to(supervised.device, non_blocking=True)
+
+    share = _ChunkShare(lab, terms, prev, supervised, gamma, kind, draft_vocab, restrict=restrict, width=width,
+                        fixed=fixed, need_rows=need_rows, where=where)
     spans = block_spans(host_sup, chunk) if dpace else [(i, min(i + chunk, S), 0, 0) for i in range(0, S, chunk)]
     total, (draft_top, target_top, w) = fused_chunks(hidden, share, spans, trainable(terms))
     loss = (total / w.sum(0).clamp(min=1e-12)).sum()  # each sum of weighted losses over its weights' sum
