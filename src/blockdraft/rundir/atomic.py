@@ -17,12 +17,17 @@ from typing import Callable, Iterable
 from .ownership import check_owned, leftovers, owned_by, remove_leftovers, temp_path, write_marker
 
 
-def check_free_space(path: str | os.PathLike, need_bytes: int, what: str) -> None:
-    """ValueError naming `what`, the bytes needed and the bytes free when `path`'s disk is too full."""
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """`path`, or its nearest ancestor that exists (where a directory not made yet will go)."""
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
-    free = shutil.disk_usage(p).free
+    return p
+
+
+def check_free_space(path: str | os.PathLike, need_bytes: int, what: str) -> None:
+    """ValueError naming `what`, the bytes needed and the bytes free when `path`'s disk is too full."""
+    free = shutil.disk_usage(nearest_existing(path)).free
     if free < need_bytes:
         raise ValueError(f"not enough disk space for {what} in {path}: needs {_mb(need_bytes)}, "
                          f"{_mb(free)} free; free some space or choose another directory")

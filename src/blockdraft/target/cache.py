@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..rundir.atomic import check_free_space
+from ..rundir.atomic import check_free_space, nearest_existing
 from ..rundir.locks import locked, pid_alive
 from ..rundir.ownership import owned_by, remove_leftovers, temp_path, write_marker
 
@@ -107,9 +107,7 @@ def converted_bytes(gguf_path: Path) -> int | None:
 
 def check_cache_dir(where: Path) -> None:
     """The cache directory is one, or can be made (a file on its path: one line, not "File exists")."""
-    p = where
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    p = nearest_existing(where)
     if not p.is_dir():
         raise ValueError(f"the cache {where} (BLOCKDRAFT_CACHE) is not a directory ({p} is a file); set it to a "
                          "directory")
