@@ -11,6 +11,9 @@ Qwen3, gpt-oss and DeepSeek-V3.1, on conversations with reasoning, tool calls an
   prefixes. A turn the history shows otherwise (hidden reasoning) carries no loss; gpt-oss's earlier
   answers, which the history ends with <|end|> where the target wrote <|return|>, are learned without it;
 * every turn after the last user turn is learned with its reasoning, tool calls and content;
+* Kimi-K2-Thinking writes a plain answer's reasoning empty even when it is the last turn: that last turn is
+  trained as the template writes the same turn with the reasoning shown (given a tool call), which is how
+  the model writes it after the generation prompt;
 * DeepSeek-V3.1's template writes no reasoning at all: a record with reasoning is refused, naming it.
 
 Runs in the project's own environment (MAIN_PYTHON in reference/run.sh). The templates are
@@ -85,6 +88,10 @@ def without_reasoning(record: dict) -> dict:
 
 # no reasoning to hide: every turn is learned (gpt-oss's earlier answers without the <|end|> the history gives them)
 RECORDS["answers only"] = without_reasoning(RECORDS["several turns"])
+# one answer with its reasoning: Kimi-K2-Thinking writes the reasoning block empty even for this last turn
+RECORDS["one answer"] = {"tools": TOOLS, "messages": [{"role": "user", "content": "What is 7 times 6?"},
+                                      {"role": "assistant", "reasoning_content": "Seven sixes are 42.",
+                                       "content": "42."}]}
 
 
 # ------------------------------------------------------------------ a renderer written apart from blockdraft's
@@ -124,13 +131,16 @@ def reference_render(tok, template: str, conv, gen: bool) -> str:
     return env.from_string(template).render(messages=msgs, tools=TOOLS, add_generation_prompt=gen, **specials)
 
 
-def reference_spans(tok, template: str, conv) -> tuple[str, list[tuple[int, int]], list[int]]:
-    """(full text, learned character spans, which assistant turns are learned), by this rule: turn i as
+def reference_spans(tok, template: str, conv) -> tuple[str, str, list[tuple[int, int]], list[int]]:
+    """(the full rendering, the text trained on, its learned character spans, which assistant turns are
+    learned), by this rule: turn i as
     the target wrote it is W_i = render(through i)[len(render(before i, generation prompt)):] less trailing
     whitespace (with P the text of the first generation-prompt header after message i - 1 there: gpt-oss and
     Kimi-K2 show a pending tool call's reasoning, which they drop once an answer follows); it is learned where the full text holds W_i verbatim after the turns before it (gpt-oss:
-    or W_i with <|end|> for its <|return|>, learned without that marker); else it carries no loss."""
-    full = reference_render(tok, template, conv, False)
+    or W_i with <|end|> for its <|return|>, learned without that marker); else it carries no loss. A last turn
+    whose reasoning the template leaves out is trained as the template writes it with the reasoning shown
+    (`shown_reasoning`), and the text trained on holds that turn so."""
+    full = rendered = reference_render(tok, template, conv, False)
     spans, learned, cursor = [], [], 0
     for i, m in enumerate(conv):
         if m["role"] != "assistant":
@@ -148,6 +158,11 @@ def reference_spans(tok, template: str, conv) -> tuple[str, list[tuple[int, int]
             start = own.index(header, own.rindex(prev) + len(prev)) + len(header)
         want = own[start:len(own.rstrip())]
         held = [m["content"], m.get("reasoning_content") or ""] + [c["function"]["name"] for c in m.get("tool_calls") or []]
+        if not all(p.strip() in want for p in held) and i == len(conv) - 1:
+            shown = shown_reasoning(tok, template, conv, header, want)
+            if shown is not None:  # the last turn as the target writes it (Kimi-K2-Thinking)
+                full = full[:start] + shown + full[start + len(want):]
+                want = shown
         if not all(p.strip() in want for p in held):  # the template cannot write this turn as the target did
             continue
         nxt = next((full.find(n["content"], cursor) for n in conv[i + 1:] if n["content"]), len(full))
@@ -160,7 +175,25 @@ def reference_spans(tok, template: str, conv) -> tuple[str, list[tuple[int, int]
             continue
         learned.append(i)
         cursor = spans[-1][1]
-    return full, spans, learned
+    return rendered, full, spans, learned
+
+
+def shown_reasoning(tok, template: str, conv, header: str, want: str) -> str | None:
+    """The last turn with its reasoning, where the template writes it empty even last (Kimi-K2-Thinking
+    shows reasoning only in a pending tool call's turn): the template's own text for the same turn given
+    a tool call (after the last generation-prompt header), from its start through its content, then what
+    the plain turn writes after its content. None where that text does not show the reasoning."""
+    m = conv[-1]
+    content, reasoning = m["content"], m.get("reasoning_content") or ""
+    if not content or not reasoning or content not in want or m.get("tool_calls"):
+        return None
+    with_call = reference_render(tok, template, conv[:-1] + [dict(m, tool_calls=[call(9, "Probe")])], False)
+    start = with_call.rindex(header) + len(header)
+    r = with_call.find(reasoning, start)
+    through = with_call.find(content, r + len(reasoning)) if r >= 0 else -1
+    if through < 0:
+        return None
+    return with_call[start:through + len(content)] + want[want.index(content) + len(content):]
 
 
 def expected_mask(offsets, spans) -> list[int]:
@@ -190,8 +223,8 @@ def test_the_loss_is_what_the_target_wrote_under_the_real_template(tok, name, ca
     t = copy.deepcopy(tok)
     t.chat_template = template_of(name)
     conv = parse_record(case_record(name, case))
-    full, spans, learned = reference_spans(t, t.chat_template, conv)
-    assert render_text(t, conv) == full
+    rendered, full, spans, learned = reference_spans(t, t.chat_template, conv)
+    assert render_text(t, conv) == rendered
     if not learned:  # nothing the target wrote can be learned: refused, not trained on an empty mask
         with pytest.raises(ValueError, match="leaves out assistant turn .* would learn nothing the target wrote"):
             render(t, conv)

@@ -21,7 +21,11 @@ What a turn learns is what the target wrote in it: the turn as the template writ
 the conversation's last turn, ``W_i`` below. Where the full rendering shows the turn otherwise
 (a template that hides past reasoning), or the template cannot write what the turn holds (its
 reasoning, a tool call, its content), the turn carries no loss: it is never learned as the
-history shows it. A conversation left with nothing learned is refused, naming the record.
+history shows it. One exception keeps the seed's Kimi-K2-Thinking trainable: its template writes a
+plain answer's reasoning block empty even when the answer is last (`<think></think>answer`), where the
+model writes its reasoning between the tags; the conversation's last turn is then trained with the
+reasoning put in that one empty tag pair (`_last_turn_as_written`), and the text trained on holds it so.
+A conversation left with nothing learned is refused, naming the record.
 
 Spans are found template-agnostically by rendering prefixes of the conversation:
 
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 from datetime import datetime
 
@@ -417,6 +422,35 @@ def assistant_spans(tokenizer, messages: list[dict], text: str,
     return spans
 
 
+_EMPTY_PAIR = re.compile(r"<([A-Za-z][\w-]*)></\1>")
+
+
+def _last_turn_as_written(tokenizer, messages: list[dict], text: str,
+                          left_out: list[tuple[int, str]]) -> tuple[str, tuple[int, int]] | None:
+    """The conversation's last turn as the target wrote it, where the template writes its reasoning
+    block empty even there (Kimi-K2-Thinking renders every plain answer `<think></think>answer`; the
+    model writes its reasoning between the two tags): (the text with the reasoning put in that one empty
+    tag pair before the content, the turn's span). None unless the last message is an assistant turn
+    left out only for its reasoning, with exactly one empty pair before its content, and the rebuilt
+    turn holds all it wrote. Earlier turns stay left out: text after them would be rendered anew."""
+    last = len(messages) - 1
+    if not messages or messages[-1]["role"] != "assistant" or not left_out or left_out[-1][0] != last \
+            or "'s reasoning" not in left_out[-1][1]:
+        return None
+    m = messages[-1]
+    start, own, want, _ = _written_text(tokenizer, messages, last, getattr(messages, "tools", None))
+    content = m["content"].strip()
+    head = want[:want.find(content)] if content and content in want else want
+    pairs = list(_EMPTY_PAIR.finditer(head))
+    if len(pairs) != 1 or own != text:
+        return None
+    cut = pairs[0].start() + len(pairs[0].group(1)) + 2
+    turn = want[:cut] + str(m.get("reasoning_content") or "") + want[cut:]
+    if not _holds(turn, m):
+        return None
+    return text[:start] + turn + text[start + len(want):], (start, start + len(turn))
+
+
 def mask_from_offsets(offsets, spans: list[tuple[int, int]]) -> list[int]:
     """1 for each token whose characters overlap a span (spans sorted and disjoint).
 
@@ -451,6 +485,11 @@ def render(tokenizer, messages: list[dict]) -> dict:
         text = render_text(tokenizer, messages)
         left_out: list[tuple[int, str]] = []
         spans = assistant_spans(tokenizer, messages, text, left_out)
+        rebuilt = _last_turn_as_written(tokenizer, messages, text, left_out)
+        if rebuilt is not None:
+            text, span = rebuilt
+            spans.append(span)
+            left_out = left_out[:-1]
         dropped = [why for _, why in left_out if "leaves out" in why]
         if not spans and dropped:  # nothing the target wrote would be learned
             raise ValueError(f"{dropped[0]}: a drafter would learn nothing the target wrote in this conversation; "
