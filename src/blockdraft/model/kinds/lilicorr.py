@@ -18,12 +18,15 @@ picked: the unary log-probabilities enter only through the features.
 Names and shapes are vLLM 0.32's (model_executor/models/lilicorr.py, LiLiCorrHead) under `lilicorr.`;
 every Linear has a bias there (ReplicatedLinear's and NemotronHMLP(bias=True)'s default).
 
-Start (the DFlash function): every input projection and residual branch output zero, rank r's
-embedding RANK_START on channel r, the factor projection the identity on the row, the incoming head
-reading channel 0 minus channels 1..K-1 (so its unit vector is +e0 for rank 0, -e0 for the others:
-the sign is exact while the token embeddings' entries stay far below RANK_START / sqrt(h)), and the
-outgoing and anchor heads the constant +e0: every score row is +1 at rank 0 and -1 elsewhere, and the
-greedy walk picks each slot's argmax. (With lilicorr_hidden_size == hidden_size vLLM has no
+Start (the DFlash function): the pass-hidden, feature and (if any) token projections and every
+lattice layer's output zero, rank r's embedding RANK_START on channel r, the factor projection the
+identity on the row, the incoming head's first output channel 0 minus channels 1..K-1 (positive for
+rank 0, negative for the others, while the token embeddings' entries stay far below RANK_START /
+sqrt(h)), and the outgoing and anchor heads' first bias sqrt(h): every vector is within a small angle
+(the other outputs' random 0.02 weights, ~0.16 of the first) of +e0 (outgoing, anchor; incoming at rank
+0) or -e0 (incoming, other ranks), so every score row is positive at rank 0 only, and the greedy walk
+picks each slot's argmax. Exactly aligned vectors would start at a stationary point (the unit
+vectors' gradient along themselves is zero): the random outputs are what lets the correlator learn. (With lilicorr_hidden_size == hidden_size vLLM has no
 token_proj: the candidates' embeddings enter unprojected, hence the large rank channel.)
 """
 
@@ -174,8 +177,8 @@ class Correlator(nn.Module):
             nn.init.zeros_(layer.attn.in_proj_bias)
             nn.init.zeros_(layer.attn.out_proj.weight)
             nn.init.zeros_(layer.mlp.down_proj.weight)
-        zero = [self.pass_hidden_proj, self.feature_mlp.down_proj, self.context_proj, self.out_head,
-                self.anchor_out_head] + ([self.token_proj] if hasattr(self, "token_proj") else [])
+        zero = [self.pass_hidden_proj, self.feature_mlp.down_proj] + ([self.token_proj] if hasattr(self, "token_proj")
+                                                                       else [])
         for m in zero:
             nn.init.zeros_(m.weight)
         for p in (self.slot_embedding, self.rank_embedding, self.relative_slot_bias, self.same_slot_bias):
@@ -185,10 +188,10 @@ class Correlator(nn.Module):
         self.rank_embedding[0, 0, 0, torch.arange(K), ranks] = RANK_START
         self.factor_input_proj.weight.zero_()
         self.factor_input_proj.weight[:, :h].copy_(torch.eye(h))
-        self.in_head.weight.zero_()
+        self.in_head.weight[0].zero_()
         self.in_head.weight[0, ranks[1:]] = -1.0
         self.in_head.weight[0, 0] = 1.0
-        self.out_head.bias[0] = self.anchor_out_head.bias[0] = 1.0
+        self.out_head.bias[0] = self.anchor_out_head.bias[0] = h ** 0.5
 
 
 def lattice_walk(start: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
@@ -216,7 +219,39 @@ def lilicorr_layer(cfg, i: int, q3) -> nn.Module:
 
 
 class LiLiCorrTerms(SlotTerms):
-    pass
+    """The token loss as DFlash's; the correlator's loss is over whole blocks (`LiLiCorr.block_loss`)."""
+
+
+@torch.no_grad()
+def train_candidates(head, rows: torch.Tensor, truth: torch.Tensor, K: int, chunk: int = 256):
+    """rows [M, Hd], the data's tokens [M] -> candidates [M, K] and log-probs [M, K] (top K of the head,
+    the data's token put in place of the K-th when it is not among them), and its index [M]."""
+    ids, logp, at = [], [], []
+    for i in range(0, rows.shape[0], chunk):
+        lp = head(rows[i:i + chunk]).float().log_softmax(-1)  # [c, V]
+        top = lp.topk(K, dim=-1)
+        y = truth[i:i + chunk]
+        hit = top.indices == y[:, None]
+        inside = hit.any(-1)
+        c_ids = torch.where(inside[:, None], top.indices, torch.cat([top.indices[:, :-1], y[:, None]], 1))
+        c_lp = torch.where(inside[:, None], top.values,
+                           torch.cat([top.values[:, :-1], lp.gather(1, y[:, None])], 1))
+        ids.append(c_ids)
+        logp.append(c_lp)
+        at.append(torch.where(inside, hit.float().argmax(-1), torch.full_like(y, K - 1)))
+    return torch.cat(ids), torch.cat(logp), torch.cat(at)
+
+
+def path_loss(start: torch.Tensor, pairs: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced path cross-entropy: scaled start [N, K] and pairs [N, S-1, K, K], the data's candidate
+    index per slot [N, S], which slots count [N, S] -> the sum of their cross-entropies: slot 1 over the
+    start scores, slot s over the pair row of the data's candidate at slot s - 1."""
+    N, S = at.shape
+    rows = [start] + [pairs[:, s - 1].gather(1, at[:, s - 1, None, None].expand(-1, 1, pairs.shape[-1]))[:, 0]
+                      for s in range(1, S)]
+    logits = torch.stack(rows, 1)  # [N, S, K]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), at.flatten(), reduction="none").view(N, S)
+    return (ce * counted).sum()
 
 
 class LiLiCorr(Kind):
@@ -236,6 +271,22 @@ class LiLiCorr(Kind):
                 layer.attention_conv.reset_parameters()
                 layer.mlp_conv.reset_parameters()
         drafter.lilicorr.reset_parameters()
+
+    def block_loss(self, drafter, head, embed, hidden, tokens, supervised, anchor, valid) -> torch.Tensor:
+        """The correlator's loss over whole blocks: hidden [N, B, Hd] the drafter's final rows, tokens
+        [N, B] the data's tokens at a + k, supervised [N, B], anchor [N, Hd] the context row at a - 1 (valid
+        [N]) -> the mean of `path_loss` over the counted slots (a supervised slot whose slots before it
+        are supervised). Candidates and their log-probabilities are read without gradient: the
+        backbone learns from the token loss, the correlator from this one."""
+        cor = drafter.lilicorr
+        N, B, H = hidden.shape
+        rows = hidden[:, 1:]  # [N, S, Hd]
+        ids, logp, at = train_candidates(head, rows.reshape(-1, H).detach(), tokens[:, 1:].reshape(-1), cor.topk)
+        S, K = B - 1, cor.topk
+        start, pairs = cor.scores(embed(ids).view(N, S, K, -1), logp.view(N, S, K), rows, anchor, valid)
+        counted = supervised[:, 1:].long().cumprod(1).to(start.dtype)  # [N, S]
+        total = path_loss(cor.scale * start.float(), cor.scale * pairs.float(), at.view(N, S), counted)
+        return total / counted.sum().clamp(min=1)
 
     def draft(self, drafter, head, hidden, prev, rows, probs, generator, lattice: LatticeInputs | None = None):
         """The walk over the block's lattice (sampling: each slot's candidate drawn from the softmax of
