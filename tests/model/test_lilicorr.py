@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from blockdraft.generate import speculative_generate
-from blockdraft.model.kinds.lilicorr import LiLiCorr
+from blockdraft.model.kinds.lilicorr import LatticeInputs, LiLiCorr
 from blockdraft.train.build import change_kind
 from blockdraft.train.step import Batch, compute_loss, prepare
 from conftest import tiny_rows
-from .test_kinds import dflash, perturb, target
+from .test_kinds import assert_drawn_from, dflash, perturb, target
 
 KW = {"plain": dict(lilicorr_candidate_topk=4, lilicorr_factor_dim=8, lilicorr_num_heads=2),
       "conv": dict(lilicorr_candidate_topk=4, lilicorr_factor_dim=8, lilicorr_num_heads=2, conv_kernel_size=2,
@@ -147,3 +147,85 @@ def test_training_the_correlator_lowers_its_loss_and_train_takes_its_flags():
     assert o.layout()["conv_group_size"] == 16 and o.vocab_size("cpu", 50000) is None
     with pytest.raises(ValueError, match="power of two"):
         dflash(t, kind="lilicorr", lilicorr_candidate_topk=6)
+
+
+def test_doctor_reads_lilicorr_by_its_walk_and_checks_its_terms(monkeypatch):
+    """doctor's serving = training check walks the training path's rows with the anchor row at a - 1, as
+    generation drafts: equal; generation drafting without its anchor row is caught. check_kind holds the
+    terms vLLM checks (a mis-sized correlator FAILs)."""
+    from blockdraft import doctor
+    from blockdraft.model.drafter import ContextCache
+
+    t = target()
+    d = dflash(t, kind="lilicorr", **KW["conv"])
+    perturb(d)
+    with torch.no_grad():
+        d.lilicorr.context_proj.weight.mul_(30)  # an anchor that moves the walk
+    ids = torch.randint(0, t.vocab_size - 1, (1, 12), generator=torch.Generator().manual_seed(2))
+    assert doctor.check_serving(t, d, ids).status == "PASS"
+    assert doctor.check_kind(d).status in ("PASS", "WARN")
+    monkeypatch.setattr(ContextCache, "anchor", None, raising=False)
+    real = ContextCache.__init__
+
+    def no_anchor(self, n):  # the cache never keeps a context row for the walk
+        real(self, n)
+        type(self).anchor = property(lambda s: None, lambda s, v: None)
+
+    monkeypatch.setattr(ContextCache, "__init__", no_anchor)
+    assert doctor.check_serving(t, d, ids).status == "FAIL"
+    monkeypatch.undo()
+    with torch.no_grad():
+        d.lilicorr.relative_slot_bias = torch.nn.Parameter(torch.zeros(2, 5))
+    assert doctor.check_kind(d).status == "FAIL"
+
+
+def test_lilicorr_round_trips_through_its_zlab_directory_and_other_formats_refuse(tmp_path):
+    """The z-lab directory (vLLM's reading of it: reference/test_vllm_lilicorr.py) loads back as the same
+    drafter; speculators and GGUF, which no release reads LiLiCorr from, are refused in one line."""
+    import json
+
+    from blockdraft.checkpoint import load_drafter
+    from blockdraft.checkpoint.native import save_drafter
+    from blockdraft.engines.exports import export_drafter
+
+    t = target()
+    d = dflash(t, kind="lilicorr", **KW["conv"])
+    perturb(d)
+    path = save_drafter(d, tmp_path / "z")
+    cfg = json.loads((tmp_path / "z" / "config.json").read_text())
+    assert cfg["architectures"] == ["LiLiCorrDraftModel"] and cfg["dflash_config"]["lilicorr_enabled"] is True
+    assert cfg["dflash_config"]["lilicorr_candidate_topk"] == 4 and cfg["dflash_config"]["block_size"] == 4
+    back = load_drafter(str(path))
+    assert back.config == d.config
+    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), back.state_dict().values()))
+    with pytest.raises(ValueError, match="has no LiLiCorr"):
+        export_drafter(d, tmp_path / "s", "speculators")
+
+
+def test_lilicorr_draws_its_drafts_from_the_distributions_it_reports():
+    """Exact verification needs each slot's token drawn from the q it hands over, given the draws before
+    it (slot 2's row of pair scores is the one of slot 1's draw)."""
+    t = target()
+    d = dflash(t, kind="lilicorr", **KW["plain"])
+    perturb(d)
+    torch.manual_seed(4)
+    W = torch.randn(t.vocab_size, 32) * 0.15  # a head with spread-out distributions
+
+    def head(h):
+        return h @ W.T
+
+    hidden, lattice = torch.randn(2, 32), LatticeInputs(t.embed, torch.randn(32))
+    g = torch.Generator().manual_seed(5)
+    first, second, q_first, q_second = [], {}, None, {}
+    with torch.no_grad():
+        for _ in range(3000):
+            out = d.kind.draft(d, head, hidden, 9, None, lambda x: (x.float() / 4).softmax(-1), g, lattice=lattice)
+            a, b = out.tokens.tolist()
+            first.append(a)
+            second.setdefault(a, []).append(b)
+            q_first, q_second[a] = out.q[0], out.q[1]
+    assert_drawn_from(first, q_first)
+    a = max(second, key=lambda k: len(second[k]))
+    assert len(second[a]) > 300
+    assert_drawn_from(second[a], q_second[a])
+    assert len({tuple(q.tolist()) for q in q_second.values()}) > 1  # slot 2's q follows slot 1's draw

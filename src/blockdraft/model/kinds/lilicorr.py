@@ -26,8 +26,16 @@ sqrt(h)), and the outgoing and anchor heads' first bias sqrt(h): every vector is
 (the other outputs' random 0.02 weights, ~0.16 of the first) of +e0 (outgoing, anchor; incoming at rank
 0) or -e0 (incoming, other ranks), so every score row is positive at rank 0 only, and the greedy walk
 picks each slot's argmax. Exactly aligned vectors would start at a stationary point (the unit
-vectors' gradient along themselves is zero): the random outputs are what lets the correlator learn. (With lilicorr_hidden_size == hidden_size vLLM has no
-token_proj: the candidates' embeddings enter unprojected, hence the large rank channel.)
+vectors' gradient along themselves is zero): the random outputs are what lets the correlator learn.
+(With lilicorr_hidden_size == hidden_size vLLM has no token_proj: the candidates' embeddings enter
+unprojected, hence the large rank channel.)
+
+Training (`block_loss`): no published loss text was found (Model-Optimizer PR #2342, the training half,
+describes the architecture only in what is stored here), so a documented choice: teacher-forced path
+cross-entropy over each slot's K candidates on the data's tokens, the token put in place of the K-th
+candidate when absent (as the DFlash2 selector's loss does), slot 1 over the start scores, slot s over
+the pair row of the data's candidate at s - 1; the candidates and their log-probabilities carry no
+gradient (the backbone learns from the token loss).
 """
 
 from __future__ import annotations
@@ -192,17 +200,6 @@ class Correlator(nn.Module):
         self.in_head.weight[0, ranks[1:]] = -1.0
         self.in_head.weight[0, 0] = 1.0
         self.out_head.bias[0] = self.anchor_out_head.bias[0] = h ** 0.5
-
-
-def lattice_walk(start: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """Greedy walk: scaled start [K] and pair [S-1, K, K] scores -> the rank picked at each slot [S]
-    (ties: the lowest rank, as argmax)."""
-    j = int(start.argmax())
-    picks = [j]
-    for s in range(pairs.shape[0]):
-        j = int(pairs[s, j].argmax())
-        picks.append(j)
-    return torch.tensor(picks, device=start.device)
 
 
 def candidates(head, hidden: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
