@@ -57,8 +57,12 @@ def loaded(request, tmp_path_factory):
     drafter = tiny_drafter(target, CASES[request.param])
     verifier = save_target(target, tmp / "target")
     path = save_drafter(drafter, tmp / "lilicorr")
-    spec, _, _ = engine_config(verifier, {"method": "dflash", "model": str(path), "num_speculative_tokens": B - 1})
+    spec, error, _ = engine_config(verifier, {"method": "dflash", "model": str(path), "num_speculative_tokens": B - 1})
     assert spec is not None and spec.draft_model_config.architectures == ["LiLiCorrDraftModel"]
+    dc = spec.draft_model_config.hf_config.dflash_config  # what LiLiCorr / LiLiCorrHead read, as we wrote it
+    assert dc["block_size"] == B and dc["lilicorr_candidate_topk"] == drafter.config.lilicorr_candidate_topk
+    # the V1 runner (no Triton here) refuses the kind at validation, with the message our doctor quotes
+    assert error is not None and "Model Runner V1 does not support: DFlash candidate-head drafts" in str(error)
     ours = load_file(str(path / "model.safetensors"))
     model = vllm_draft_model(tmp, spec, verifier, ours)
     loaded = {n: p.detach().clone() for n, p in model.named_parameters()}  # before the CPU repacking below
