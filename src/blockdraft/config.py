@@ -229,8 +229,9 @@ class DrafterConfig:
         """vLLM 0.32's own checks (models/lilicorr.py), said before a run rather than at serving."""
         k, h = self.lilicorr_candidate_topk, self.lilicorr_hidden_size or self.hidden_size
         need(k <= 16 and k & (k - 1) == 0, f"lilicorr_candidate_topk must be a power of two <= 16, got {k}")
-        need(self.draft_vocab_size is None, "LiLiCorr candidates come from the full vocabulary (vLLM refuses a "
-             "draft vocabulary for it): leave draft_vocab_size unset")
+        need(self.draft_vocab_size is None, f"LiLiCorr candidates come from the full vocabulary (vLLM refuses a "
+             f"draft vocabulary for it), this drafter drafts from {self.draft_vocab_size} tokens: train it with "
+             "--draft-vocab full, or --init-drafter from a full-vocabulary drafter")
         need(bool(self.conv_kernel_size) == bool(self.conv_group_size),
              "LiLiCorr + conv needs both conv_kernel_size and conv_group_size (0 and 0: no convolution)")
         if self.conv_kernel_size:
