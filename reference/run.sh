@@ -23,7 +23,7 @@ mkdir -p "$BASE"
   reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py
 .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
   reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_nodes.py reference/test_vllm_capture.py \
-  reference/test_vllm_parsers.py
+  reference/test_vllm_parsers.py reference/test_vllm_lilicorr.py
 BLOCKDRAFT_LLAMA_SERVER="$ROOT/.venv-ref-llama/bin/llama-server" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider --durations=8 \
   --basetemp="$BASE/llama" -rs reference/test_llamacpp.py
 BLOCKDRAFT_LLAMA_TEMPLATES="$ROOT/.venv-ref-llama/templates" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \

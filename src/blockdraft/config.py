@@ -28,11 +28,17 @@ DEFAULT_WINDOW_RULE = WINDOW_QUERY
 # Drafter kinds (DESIGN.md section 2): the DFlash backbone alone, plus DSpark's Markov and confidence
 # heads, or plus DFlash2's convolutions and candidate selector. Each kind's fields and their defaults
 # (speculators 0.9.0's); a field of another kind must stay unset. The modules are in model/kinds/.
-KINDS = ("dflash", "dspark", "dflash2")
+KINDS = ("dflash", "dspark", "dflash2", "lilicorr")
+# kind fields that may be 0 (off, or "the drafter's width"), per kind
+ZERO_OK = {"dspark": ("markov_rank",), "lilicorr": ("conv_kernel_size", "conv_group_size", "lilicorr_hidden_size")}
 KIND_FIELDS = {
     "dflash": {},
     "dspark": {"markov_rank": 256, "confidence_head": True},
     "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    # LiLiCorr (vLLM 0.32's dflash_config names): conv 0/0 = no convolution; hidden 0 = the drafter's
+    "lilicorr": {"conv_kernel_size": 0, "conv_group_size": 0, "lilicorr_candidate_topk": 8, "lilicorr_hidden_size": 0,
+                 "lilicorr_num_layers": 2, "lilicorr_num_heads": 4, "lilicorr_mlp_ratio": 2.0,
+                 "lilicorr_factor_dim": 64, "lilicorr_vector_eps": 1e-6, "lilicorr_logit_scale": 10.0},
 }
 
 
@@ -123,6 +129,14 @@ class DrafterConfig:
     conv_group_size: int | None = None  # DFlash2: channels sharing one dynamic tap coefficient
     selector_rank: int | None = None  # DFlash2: rank of the candidate selector's bilinear edge scores
     selector_top_k: int | None = None  # DFlash2: candidates per slot the selector chooses among
+    lilicorr_candidate_topk: int | None = None  # LiLiCorr: candidates per slot (a power of two <= 16)
+    lilicorr_hidden_size: int | None = None  # LiLiCorr: the correlator's width (0: the drafter's)
+    lilicorr_num_layers: int | None = None  # LiLiCorr: lattice transformer layers
+    lilicorr_num_heads: int | None = None  # LiLiCorr: their attention heads
+    lilicorr_mlp_ratio: float | None = None  # LiLiCorr: their MLP width / the correlator's width
+    lilicorr_factor_dim: int | None = None  # LiLiCorr: width of the outgoing / incoming unit vectors
+    lilicorr_vector_eps: float | None = None  # LiLiCorr: the unit vectors' normalisation floor
+    lilicorr_logit_scale: float | None = None  # LiLiCorr: scores = scale * cosine
     # Whether slot 0 (the anchor) predicts too (DSpark's reference default); blockdraft trains every
     # kind with the DFlash convention, slot k predicting the token at anchor + k, and writes it out.
     sample_from_anchor: bool = False
@@ -196,7 +210,7 @@ class DrafterConfig:
         need(not self.sample_from_anchor, "sample_from_anchor: blockdraft trains and serves the DFlash convention "
              "(slot 0 is the anchor and predicts nothing); a drafter trained with slot 0 predicting is not supported")
         small = [f"{n} {getattr(self, n)}" for n in mine if not isinstance(getattr(self, n), bool)
-                 and getattr(self, n) < (0 if n == "markov_rank" else 1)]
+                 and getattr(self, n) < (0 if n in ZERO_OK.get(self.kind, ()) else 1e-30 if isinstance(getattr(self, n), float) else 1)]
         need(not small, f"{self.kind} fields out of range: {', '.join(small)}")
         if self.kind == "dspark":
             need(self.markov_rank > 0 or not self.confidence_head,
@@ -208,6 +222,23 @@ class DrafterConfig:
                  f"conv_kernel_size {self.conv_kernel_size} cannot exceed block_size {self.block_size}")
             need(self.selector_top_k <= (self.draft_vocab_size or self.vocab_size),
                  f"selector_top_k {self.selector_top_k} exceeds the draft vocabulary")
+        if self.kind == "lilicorr":
+            self._validate_lilicorr(need)
+
+    def _validate_lilicorr(self, need) -> None:
+        """vLLM 0.32's own checks (models/lilicorr.py), said before a run rather than at serving."""
+        k, h = self.lilicorr_candidate_topk, self.lilicorr_hidden_size or self.hidden_size
+        need(k <= 16 and k & (k - 1) == 0, f"lilicorr_candidate_topk must be a power of two <= 16, got {k}")
+        need(self.draft_vocab_size is None, f"LiLiCorr candidates come from the full vocabulary (vLLM refuses a "
+             f"draft vocabulary for it), this drafter drafts from {self.draft_vocab_size} tokens: train it with "
+             "--draft-vocab full, or --init-drafter from a full-vocabulary drafter")
+        need(bool(self.conv_kernel_size) == bool(self.conv_group_size),
+             "LiLiCorr + conv needs both conv_kernel_size and conv_group_size (0 and 0: no convolution)")
+        if self.conv_kernel_size:
+            need(self.hidden_size % self.conv_group_size == 0 and self.conv_kernel_size <= self.block_size,
+                 f"conv_group_size must divide hidden_size and conv_kernel_size be <= block_size")
+        need(h % self.lilicorr_num_heads == 0, f"lilicorr width {h} must be a multiple of lilicorr_num_heads")
+        need(h >= k, f"lilicorr width {h} must be >= lilicorr_candidate_topk {k} (its start gives each rank a channel)")
 
     # ------------------------------------------------------------- properties
     @property

@@ -182,6 +182,24 @@ def check_engines(drafter) -> Check:
                  + (f" (notes: {notes})" if notes else ""))
 
 
+def lilicorr_problems(drafter) -> list[str]:
+    """LiLiCorr's terms as vLLM 0.32 builds and checks them: K a power of two <= 16, the full vocabulary,
+    the correlator's block-shaped tensors for this block size, and both convolution fields or neither."""
+    c, cor = drafter.config, drafter.lilicorr
+    K, B, out = c.lilicorr_candidate_topk, c.block_size, []
+    if not (0 < K <= 16 and K & (K - 1) == 0):
+        out.append(f"lilicorr_candidate_topk {K} is not a power of two <= 16 (vLLM refuses it)")
+    if c.draft_vocab_size:
+        out.append("a draft vocabulary: vLLM's LiLiCorr needs the full target vocabulary")
+    shapes = {"slot_embedding": (cor.slot_embedding.shape[2], B - 1),
+              "rank_embedding": (cor.rank_embedding.shape[3], K),
+              "relative_slot_bias": (cor.relative_slot_bias.shape[1], 2 * B - 1)}
+    out += [f"{n} is sized for {got}, the config says {want}" for n, (got, want) in shapes.items() if got != want]
+    if bool(c.conv_kernel_size) != bool(c.conv_group_size):
+        out.append("conv_kernel_size and conv_group_size must both be set or both 0 (vLLM refuses one alone)")
+    return out
+
+
 def check_kind(drafter) -> Check:
     """The contract terms a drafter kind adds, on this checkpoint: the anchor convention, the kind's
     tensors against its config, DFlash2's in-block causality (measured) and llama.cpp's limits; and
@@ -207,6 +225,8 @@ def check_kind(drafter) -> Check:
             x[:, c.block_size // 2:] += 1
             if not torch.equal(conv.prepare(x)[0][:, :c.block_size // 2], y[:, :c.block_size // 2]):
                 problems.append("the convolutions let a later block row reach an earlier one")
+    if kind == "lilicorr":
+        problems += lilicorr_problems(drafter)
     if problems:
         return Check("drafter kind", FAIL, f"{kind}: " + "; ".join(problems), "retrain with blockdraft train --kind")
     from . import engines
@@ -322,8 +342,9 @@ def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int 
 
         # each block's drafts from the training path's rows, read as the kind reads them when it serves
         # (DSpark's and DFlash2's walks start from the anchor's token)
-        trained = torch.stack([drafter.kind.draft(drafter, head, hidden[j, 1:], int(seq[0, a]), rows, None, None)
-                               .tokens.cpu() for j, a in enumerate(anchors.tolist())])  # [N, B-1]
+        trained = torch.stack([drafter.kind.draft(drafter, head, hidden[j, 1:], int(seq[0, a]), rows, None, None,
+                                                  **_lattice(target, drafter, p, a)).tokens.cpu()
+                               for j, a in enumerate(anchors.tolist())])  # [N, B-1]
         want = torch.full_like(trained, -1)  # the text's next tokens; -1 past its end
         for j, a in enumerate(anchors.tolist()):
             nxt = seq[0, a + 1:a + B]
@@ -332,6 +353,17 @@ def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int 
         trained_len = accepted_lengths(torch.cat([torch.zeros(steps, 1, dtype=torch.bool), trained == want], 1))
     served = [d for d in res.drafts[:steps]]
     return served, trained.tolist(), served_len.tolist(), trained_len.tolist()
+
+
+def _lattice(target, drafter, p, a: int) -> dict:
+    """What a whole-block kind (LiLiCorr) drafts with beside the rows: the target's embedding and the
+    context row at a - 1 (one document: every anchor after the first token has one)."""
+    if not getattr(drafter.kind, "whole_block", False):
+        return {}
+    from .model.kinds.lilicorr import LatticeInputs
+
+    row = drafter.context(p.features[a - 1:a].to(drafter.fc.weight.dtype))[0] if a > 0 else None
+    return {"lattice": LatticeInputs(target.embed, row)}
 
 
 def check_serving(target, drafter, sample_ids: torch.Tensor) -> Check:

@@ -92,11 +92,14 @@ def kind_configs():
     from blockdraft.config import KINDS, DrafterConfig
 
     kw = {"dflash": {}, "dspark": dict(markov_rank=8), "dflash2": dict(selector_rank=8, selector_top_k=4,
-                                                                       conv_group_size=8)}
+                                                                       conv_group_size=8),
+          "lilicorr": dict(lilicorr_candidate_topk=4, lilicorr_num_heads=2)}
     t = tiny_target("qwen3")
     for kind in KINDS:
         for extra in ({}, dict(draft_vocab_size=64), dict(layer_types=["sliding_attention", "full_attention"],
                                                           sliding_window=8, num_layers=2)):
+            if kind == "lilicorr" and "draft_vocab_size" in extra:  # refused by its config (vLLM's rule)
+                continue
             args = {"num_layers": 1, "block_size": 4, "kind": kind, **kw[kind], **extra}
             yield DrafterConfig.for_target(t, **args)
 

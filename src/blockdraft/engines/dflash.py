@@ -21,6 +21,9 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("dflash", True, ANCHOR_RULE_SERVED))
     if cfg.draft_vocab_size:
         out.append(Difference("dflash", False, ignores_draft_vocab(cfg)))
+    if cfg.kind == "lilicorr":
+        out.append(Difference("dflash", True, "has no LiLiCorr (dflash/model.py: DFlash and DFlash2 only): it "
+                                              "cannot build this LiLiCorrDraftModel directory"))
     if cfg.kind == "dspark":  # it has DFlash and DFlash2 only (dflash/model.py, benchmark.py)
         out.append(Difference("dflash", False, "has no DSpark: it loads this directory as a DFlashDraftModel and "
                                                "drops markov_head.* and confidence_head.* as unexpected weights, so "
@@ -31,5 +34,5 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 ENGINE = Engine(
     name="dflash", release=f"dflash {DFLASH_READ}", formats=("zlab",),
     kinds={"dflash": "", "dflash2": "z-lab layout"},
-    refused_kinds={"dspark": "it drops the Markov and confidence heads"}, quirks=quirks,
+    refused_kinds={"dspark": "it drops the Markov and confidence heads", "lilicorr": "no LiLiCorr"}, quirks=quirks,
 )

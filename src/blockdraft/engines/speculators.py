@@ -21,6 +21,8 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("speculators", False, "trains and evaluates sliding layers with the anchor window "
                                                     "(every slot sees a - W <= p < a); this drafter uses the "
                                                     "query rule that vLLM serves"))
+    if cfg.kind == "lilicorr":
+        out.append(Difference("speculators", True, "has no LiLiCorr (0.9.0): the export is refused"))
     if cfg.kind == "dflash2" and cfg.draft_vocab_size:
         out.append(Difference("speculators", False, "its DFlash2 requires the full target vocabulary "
                                                     "(models/dflash2/core.py): this drafter has a draft vocabulary, "
@@ -30,4 +32,5 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 ENGINE = Engine(
     name="speculators", release=f"speculators {SPECULATORS_READ}", formats=("speculators",),
     kinds={"dflash": "", "dspark": "", "dflash2": "full vocabulary only"}, quirks=quirks,
+    refused_kinds={"lilicorr": "no LiLiCorr in 0.9.0"},
 )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.kinds.lilicorr import LatticeInputs
 from .acceptance import sampling_probs
 from .lookup import NgramIndex
 
@@ -69,7 +70,9 @@ class DrafterProposer:
         d, dt = self.drafter, self.drafter.fc.weight.dtype
         b = block.shape[0]
         embeds = self.target.embed(block).to(dt)
-        n = b if self.threshold <= 0 else min(b, 1 + FIRST_SLOTS)  # block rows needed so far
+        # a kind that drafts the block at once (LiLiCorr's lattice) is cut after all of it is drafted
+        whole = getattr(d.kind, "whole_block", False)
+        n = b if self.threshold <= 0 or whole else min(b, 1 + FIRST_SLOTS)  # block rows needed so far
         # a drafter whose block attention is not causal must see the whole block at once
         rows_run = n if d.causal_in_block else b
         hidden = d.draft_hidden(new_feats.to(dt), new_pos, embeds[:rows_run], anchor_pos, self.cache)
@@ -92,7 +95,10 @@ class DrafterProposer:
             return self.target.head(h.to(self.target.dtype), rows)  # [s, Vd]
 
         probs = (lambda x: sampling_probs(x, s.temperature, s.top_p)) if s.temperature > 0 else None
-        out = self.drafter.kind.draft(self.drafter, head, hidden, prev, rows, probs, s.generator)
+        extra = {}
+        if getattr(self.drafter.kind, "whole_block", False):  # LiLiCorr: the target's embedding and the anchor row
+            extra["lattice"] = LatticeInputs(self.target.embed, self.cache.anchor)
+        out = self.drafter.kind.draft(self.drafter, head, hidden, prev, rows, probs, s.generator, **extra)
         return out.tokens, out.q, out.conf
 
 

@@ -179,6 +179,8 @@ class DFlashDrafter(nn.Module):
         ctx_rope = self.rope(new_positions, block_embeds) if ctx is not None else None
         blk_rope = self.rope(anchor_position + torch.arange(B, device=block_embeds.device), block_embeds)  # [B, D]
         cache.positions = new_positions if cache.positions is None else torch.cat([cache.positions, new_positions])
+        if ctx is not None:
+            cache.anchor = ctx[-1]  # the last context row (LiLiCorr's anchor: hidden_norm(fc(features)))
         h = block_embeds
         for i, layer in enumerate(self.layers):
             at, window = layer.self_attn, layer.self_attn.vis.window
@@ -208,6 +210,7 @@ class ContextCache:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.positions: torch.Tensor | None = None
+        self.anchor: torch.Tensor | None = None  # the newest context row [Hd]
 
     def __len__(self) -> int:
         return 0 if self.positions is None else int(self.positions.shape[0])

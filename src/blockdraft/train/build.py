@@ -9,6 +9,10 @@ import torch
 from torch import nn
 
 from ..config import KIND_FIELDS, KINDS, WINDOW_QUERY, WINDOW_RULES
+
+# the kind fields `train` takes as flags
+KIND_FLAGS = ("markov_rank", "selector_rank", "selector_top_k", "lilicorr_candidate_topk", "lilicorr_num_layers",
+              "conv_kernel_size", "conv_group_size")
 from ..options import existing, opt
 from ..target.family import final_norm, mlp_activation, pre_mlp_norm, rms_norm_scale
 from ..target.layers import find_decoder_layers
@@ -41,11 +45,19 @@ class DrafterOptions:
                             choices=("random", "top-feature"))
     kind: str | None = opt(None, "drafter kind: dflash; dspark (+ a Markov bias on each slot from the token before "
                                  "it, + a confidence head); dflash2 (+ in-block convolutions, + a top-K candidate "
-                                 "selector). With --init-drafter a DFlash drafter becomes this kind, starting as "
+                                 "selector); lilicorr (+ a correlator over each slot's top-K candidates, walked as "
+                                 "vLLM 0.32 does; convolutions with --conv-kernel-size). With --init-drafter a DFlash drafter becomes this kind, starting as "
                                  "its exact function (default: dflash, or the drafter's own)", choices=KINDS)
     markov_rank: int | None = opt(None, "dspark: rank of the Markov bias (0: none) (default: 256)", min=0)
     selector_rank: int | None = opt(None, "dflash2: rank of the candidate selector (default: 256)", min=1)
     selector_top_k: int | None = opt(None, "dflash2: candidates per slot (default: 16)", min=1)
+    lilicorr_candidate_topk: int | None = opt(None, "lilicorr: candidates per slot, a power of two <= 16 "
+                                                    "(default: 8)", min=1)
+    lilicorr_num_layers: int | None = opt(None, "lilicorr: the correlator's lattice layers (default: 2)", min=1)
+    conv_kernel_size: int | None = opt(None, "dflash2, lilicorr: taps of the in-block convolutions (lilicorr: 0 = "
+                                             "none; default: 2 for dflash2, 0 for lilicorr)", min=0)
+    conv_group_size: int | None = opt(None, "dflash2, lilicorr: channels sharing one dynamic tap (default: 16 for "
+                                            "dflash2, 0 for lilicorr; lilicorr with taps: 16)", min=0)
     init_drafter: str | None = opt(None, "go on training a saved drafter (a directory or 'default') with a fresh "
                                          "schedule; the layout options then come from it", metavar="DIR",
                                   check=existing("dir", names=("default",)))
@@ -77,8 +89,9 @@ class DrafterOptions:
     def kind_fields(self, kind: str | None = None) -> dict:
         """DrafterConfig's kind and the kind's fields given as flags (a flag of another kind is refused)."""
         kind = kind or self.kind or "dflash"
-        given = {n: getattr(self, n) for n in ("markov_rank", "selector_rank", "selector_top_k")
-                 if getattr(self, n) is not None}
+        given = {n: getattr(self, n) for n in KIND_FLAGS if getattr(self, n) is not None}
+        if kind == "lilicorr" and given.get("conv_kernel_size") and "conv_group_size" not in given:
+            given["conv_group_size"] = 16
         foreign = sorted(n for n in given if n not in KIND_FIELDS[kind])
         if foreign:
             raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in foreign)} do not apply to a {kind} "
@@ -88,6 +101,8 @@ class DrafterOptions:
     def vocab_size(self, device: str, target_vocab: int) -> int | None:
         self.check(target_vocab)
         v = check_draft_vocab(self.draft_vocab)
+        if v == "auto" and self.kind == "lilicorr":  # its candidates come from the full vocabulary (vLLM's rule)
+            return None
         if v == "auto":  # on a CPU the head is most of the drafter's cost
             return 8192 if device == "cpu" and target_vocab > 8192 else None
         return None if v == "full" or int(v) == 0 else int(v)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.attention import BlockLayout
-from ..model.blocks import block_input_ids, label_positions, supervised_slots
+from ..model.blocks import block_input_ids, label_positions, slot_token_positions, supervised_slots
 from ..model.masks import document_starts
 from .anchors import sample_anchors
 from .loss import Labels, default_gamma, dflash_loss_chunked, loss_chunk_slots
@@ -217,9 +217,26 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     width = max(len(rows) if rows is not None else target.vocab_size,
                 0 if lab.logits is None and lab.hidden is None else
                 len(rows) if lab.top is not None and rows is not None else target.vocab_size)
-    return dflash_loss_chunked(hidden[p.supervised], None, p.target_logits, p.supervised, gamma=g, kind=loss,
-                               draft_vocab=rows, chunk=loss_chunk_slots(hidden.device, width),
-                               sync_metrics=sync_metrics, terms=terms, prev=p.prev, host_supervised=p.host_supervised)
+    out = dflash_loss_chunked(hidden[p.supervised], None, p.target_logits, p.supervised, gamma=g, kind=loss,
+                              draft_vocab=rows, chunk=loss_chunk_slots(hidden.device, width),
+                              sync_metrics=sync_metrics, terms=terms, prev=p.prev, host_supervised=p.host_supervised)
+    return out if not hasattr(drafter.kind, "block_loss") else (out[0] + kind_block_loss(target, drafter, batch, p,
+                                                                                          hidden), out[1])
+
+
+def kind_block_loss(target, drafter, batch: Batch, p: Prepared, hidden: torch.Tensor) -> torch.Tensor:
+    """A kind's loss over whole blocks (LiLiCorr's correlator: model/kinds/lilicorr.py), from the drafter's
+    rows [N, B, Hd], the data's tokens at a + k and the context row at a - 1 (when in the anchor's document)."""
+    dev, B = hidden.device, drafter.block_size
+    ids = batch.input_ids.reshape(-1).to(dev)
+    tokens = ids[slot_token_positions(p.anchors, B).clamp(max=ids.shape[0] - 1)]  # [N, B]
+    before = (p.anchors - 1).clamp(min=0)
+    docs = p.layout.document_ids.to(dev)
+    valid = (p.anchors > 0) & (docs[before] == docs[p.anchors])
+    feats = p.features[before]
+    anchor = drafter.context(feats.to(drafter.fc.weight.dtype)) * valid[:, None].to(hidden.dtype)
+    head = lambda h: target.head(h.to(target.dtype))  # noqa: E731  (the full vocabulary: LiLiCorr has no other)
+    return drafter.kind.block_loss(drafter, head, target.embed, hidden, tokens, p.supervised, anchor, valid)
 
 
 def needs_label_rows(loss: str, terms) -> bool:

@@ -22,9 +22,14 @@ from ...config import FORMAT_VERSION, DrafterConfig
 QWEN3_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "attention_bias",
                 "hidden_act", "layer_types", "sliding_window", "vocab_size")
+# LiLiCorr's fields (config.KIND_FIELDS), under vLLM 0.32's names
+LILICORR_FIELDS = ("conv_kernel_size", "conv_group_size", "lilicorr_candidate_topk", "lilicorr_hidden_size",
+                   "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim",
+                   "lilicorr_vector_eps", "lilicorr_logit_scale")
 OWN_FIELDS = ("target_hidden_size", "sliding_causal_in_block", "sliding_window_rule", "draft_vocab_size",
               "target_name", "tokenizer_hash", "generate_defaults", "kind", "markov_rank", "confidence_head",
-              "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor")
+              "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor",
+              *LILICORR_FIELDS[2:])
 OWN_KEY = "blockdraft"  # blockdraft's own fields ride along under this key; other readers ignore it
 
 
@@ -92,6 +97,7 @@ def read_own(d: dict, defaults: dict) -> dict:
 DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel", "DSparkSpeculator")  # llama.cpp b11434's DSparkModel
 DFLASH2_ARCH = "DFlash2DraftModel"  # speculators, z-lab's dflash, vLLM and llama.cpp
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+LILICORR_ARCH = "LiLiCorrDraftModel"  # vLLM 0.32 (registry.py: lilicorr.LiLiCorrForCausalLM)
 
 
 def dspark_fields(cfg: DrafterConfig) -> dict:
@@ -126,6 +132,20 @@ def check_sample_from_anchor(d: dict, default: bool, reader: str) -> None:
         raise ValueError(f"sample_from_anchor is true{absent}: slot 0 (the anchor) predicts too, a convention "
                          "blockdraft neither trains nor serves (slot k predicts the token at anchor + k); "
                          "retrain with sample_from_anchor false")
+
+
+def lilicorr_fields(cfg: DrafterConfig) -> dict:
+    """LiLiCorr's `dflash_config` fields as vLLM 0.32 reads them (models/lilicorr.py LiLiCorr, LiLiCorrHead)."""
+    return {"lilicorr_enabled": True, **{k: getattr(cfg, k) for k in LILICORR_FIELDS}}
+
+
+def read_lilicorr(dc: dict) -> dict:
+    """DrafterConfig fields of a LiLiCorr `dflash_config` (missing: the defaults); lilicorr_enabled false
+    is refused as vLLM refuses it."""
+    if not dc.get("lilicorr_enabled", True):
+        raise ValueError("lilicorr_enabled is false: vLLM refuses such a LiLiCorr directory, and blockdraft has "
+                         "no LiLiCorr drafter without its correlator")
+    return {"kind": "lilicorr", **{k: dc[k] for k in LILICORR_FIELDS if dc.get(k) is not None}}
 
 
 def dflash2_fields(cfg: DrafterConfig) -> dict:

@@ -247,6 +247,11 @@ def _entries(cfg: DrafterConfig, reader, name: str, owner: str) -> list:
     return out + [Entry("tokenizer.ggml.mask_token_id", cfg.mask_token_id, T.UINT32)]
 
 
+# no release of these readers has LiLiCorr; vLLM 0.32 reads it from the z-lab layout
+LILICORR_REFUSED = ("a lilicorr drafter has no {fmt} layout: {reader} has no LiLiCorr; export it --to zlab, the "
+                    "directory vLLM 0.32 serves it from")
+
+
 def _kind_entries(cfg: DrafterConfig) -> list:
     """The keys a DSpark or DFlash2 drafter adds (none for DFlash: its files stay as they were)."""
     from gguf import GGUFValueType as T
@@ -288,6 +293,9 @@ def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str
 
     from ...rundir.atomic import check_free_space
     from ...finite import require_finite
+
+    if cfg.kind == "lilicorr":
+        raise ValueError(LILICORR_REFUSED.format(fmt="GGUF", reader="llama.cpp b11434"))
     from ...rundir.ownership import record, remove_leftovers, temp_path
     from .gguf_file import check_values, file_bytes, write_file
 

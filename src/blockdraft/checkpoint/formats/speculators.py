@@ -36,6 +36,10 @@ def matches(d: dict) -> bool:
 
 
 def _kind_fields(cfg: DrafterConfig) -> dict:
+    if cfg.kind == "lilicorr":
+        from .gguf import LILICORR_REFUSED
+
+        raise ValueError(LILICORR_REFUSED.format(fmt="speculators", reader="speculators 0.9.0"))
     if cfg.kind == "dspark":
         return {k: v for k, v in dspark_fields(cfg).items() if k != "sample_from_anchor"}  # written above
     if cfg.kind == "dflash2":

