@@ -28,11 +28,15 @@ DEFAULT_WINDOW_RULE = WINDOW_QUERY
 # Drafter kinds (DESIGN.md section 2): the DFlash backbone alone, plus DSpark's Markov and confidence
 # heads, or plus DFlash2's convolutions and candidate selector. Each kind's fields and their defaults
 # (speculators 0.9.0's); a field of another kind must stay unset. The modules are in model/kinds/.
-KINDS = ("dflash", "dspark", "dflash2")
+KINDS = ("dflash", "dspark", "dflash2", "domino")
 KIND_FIELDS = {
     "dflash": {},
     "dspark": {"markov_rank": 256, "confidence_head": True},
     "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    # Domino: Model-Optimizer 0.47.0's recipe widths (speculative_decoding/domino.yaml; SpecForge has no default),
+    # SpecForge 0.2.0's prefix (0 under shift_label false) and lambda schedule (lambda_base_start, _decay_ratio)
+    "domino": {"emb_dim": 256, "gru_hidden_dim": 1024, "pure_draft_prefix_len": 0, "lambda_base_start": 1.0,
+               "lambda_base_decay_ratio": 0.5},
 }
 
 
@@ -123,6 +127,11 @@ class DrafterConfig:
     conv_group_size: int | None = None  # DFlash2: channels sharing one dynamic tap coefficient
     selector_rank: int | None = None  # DFlash2: rank of the candidate selector's bilinear edge scores
     selector_top_k: int | None = None  # DFlash2: candidates per slot the selector chooses among
+    emb_dim: int | None = None  # Domino: width of the correction MLP (embed_proj)
+    gru_hidden_dim: int | None = None  # Domino: width of the GRU state over the block's tokens
+    pure_draft_prefix_len: int | None = None  # Domino: slots 1..this keep the head's logits alone
+    lambda_base_start: float | None = None  # Domino: the base loss's first weight (falls linearly to 0)
+    lambda_base_decay_ratio: float | None = None  # Domino: share of the run over which it falls
     # Whether slot 0 (the anchor) predicts too (DSpark's reference default); blockdraft trains every
     # kind with the DFlash convention, slot k predicting the token at anchor + k, and writes it out.
     sample_from_anchor: bool = False
@@ -196,11 +205,15 @@ class DrafterConfig:
         need(not self.sample_from_anchor, "sample_from_anchor: blockdraft trains and serves the DFlash convention "
              "(slot 0 is the anchor and predicts nothing); a drafter trained with slot 0 predicting is not supported")
         small = [f"{n} {getattr(self, n)}" for n in mine if not isinstance(getattr(self, n), bool)
-                 and getattr(self, n) < (0 if n == "markov_rank" else 1)]
+                 and getattr(self, n) < (0 if n in ("markov_rank", "pure_draft_prefix_len") or "lambda" in n else 1)]
         need(not small, f"{self.kind} fields out of range: {', '.join(small)}")
         if self.kind == "dspark":
             need(self.markov_rank > 0 or not self.confidence_head,
                  "a DSpark confidence head reads W1[previous token]: it needs markov_rank > 0")
+        if self.kind == "domino":
+            need(self.pure_draft_prefix_len < self.block_size - 1,
+                 f"pure_draft_prefix_len {self.pure_draft_prefix_len} leaves no slot of a {self.block_size} block corrected")
+            need(self.lambda_base_start <= 1, f"lambda_base_start {self.lambda_base_start} exceeds 1")
         if self.kind == "dflash2":
             need(self.hidden_size % self.conv_group_size == 0,
                  f"hidden_size {self.hidden_size} must be a multiple of conv_group_size {self.conv_group_size}")

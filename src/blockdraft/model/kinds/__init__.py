@@ -11,6 +11,8 @@ ask the kind; none of them tests which kind it is.
   right from the verified token, + a confidence head.
 - dflash2 (`dflash2.py`): + in-block causal convolutions around every attention and MLP sublayer,
   + a candidate selector over each slot's top K, walked greedily from the verified token.
+- domino (`domino.py`): + a GRU over the block's tokens before each slot (the anchor first) whose state,
+  with the slot's row, adds a correction to its logits, walked left to right from the verified token.
 
 Legend: s slots, Hd hidden, Vd draft vocabulary (the target's when there is none), V target vocabulary.
 """
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 from .base import DFlash, Drafted, Kind, SlotTerms
 from .dflash2 import DFlash2
+from .domino import Domino
 from .dspark import DSpark
 
-KINDS: dict[str, Kind] = {k.name: k for k in (DFlash(), DSpark(), DFlash2())}
+KINDS: dict[str, Kind] = {k.name: k for k in (DFlash(), DSpark(), DFlash2(), Domino())}
 
 
 def get(name: str) -> Kind:
