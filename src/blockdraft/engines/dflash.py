@@ -31,5 +31,6 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 ENGINE = Engine(
     name="dflash", release=f"dflash {DFLASH_READ}", formats=("zlab",),
     kinds={"dflash": "", "dflash2": "z-lab layout"},
-    refused_kinds={"dspark": "it drops the Markov and confidence heads"}, quirks=quirks,
+    refused_kinds={"dspark": "it drops the Markov and confidence heads",
+                   "domino": "no DominoDraftModel: it has no GRU correction"}, quirks=quirks,
 )

@@ -30,4 +30,5 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 ENGINE = Engine(
     name="speculators", release=f"speculators {SPECULATORS_READ}", formats=("speculators",),
     kinds={"dflash": "", "dspark": "", "dflash2": "full vocabulary only"}, quirks=quirks,
+    refused_kinds={"domino": "no Domino (its issue #773)"},
 )

@@ -291,6 +291,9 @@ def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str
     from ...rundir.ownership import record, remove_leftovers, temp_path
     from .gguf_file import check_values, file_bytes, write_file
 
+    if cfg.kind == "domino":
+        raise ValueError("llama.cpp b11434 has no Domino drafter (no GRU correction in its DFlash graph): export "
+                         "a domino drafter --to zlab (SpecForge, SGLang)")
     src = Path(target_gguf)
     if not src.is_file():
         raise ValueError(f"--target-gguf {src}: no such file")

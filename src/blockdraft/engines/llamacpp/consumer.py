@@ -82,6 +82,7 @@ def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
 ENGINE = Engine(
     name="llama.cpp", release=f"llama.cpp {LLAMACPP_READ}", formats=(GGUF,),
     kinds={kind: f"--spec-type {spec}" for kind, spec in SPEC_TYPES.items()},
+    refused_kinds={"domino": "no Domino drafter in its DFlash graph"},
     capture=llamacpp_capture, capture_rule=("its graph records the layer inputs",
                                             "its graph does not record the layer inputs"),
     capture_check="target capture (llama.cpp)", capture_refused="llama-server cannot run its DFlash drafter",

