@@ -41,11 +41,14 @@ class DrafterOptions:
                             choices=("random", "top-feature"))
     kind: str | None = opt(None, "drafter kind: dflash; dspark (+ a Markov bias on each slot from the token before "
                                  "it, + a confidence head); dflash2 (+ in-block convolutions, + a top-K candidate "
-                                 "selector). With --init-drafter a DFlash drafter becomes this kind, starting as "
-                                 "its exact function (default: dflash, or the drafter's own)", choices=KINDS)
+                                 "selector); domino (+ a GRU correction of each slot's logits from the block's "
+                                 "tokens before it). With --init-drafter a DFlash drafter becomes this kind, "
+                                 "starting as its exact function (default: dflash, or the drafter's own)", choices=KINDS)
     markov_rank: int | None = opt(None, "dspark: rank of the Markov bias (0: none) (default: 256)", min=0)
     selector_rank: int | None = opt(None, "dflash2: rank of the candidate selector (default: 256)", min=1)
     selector_top_k: int | None = opt(None, "dflash2: candidates per slot (default: 16)", min=1)
+    emb_dim: int | None = opt(None, "domino: width of the correction's projection (default: 256)", min=1)
+    gru_hidden_dim: int | None = opt(None, "domino: width of the GRU state (default: 1024)", min=1)
     init_drafter: str | None = opt(None, "go on training a saved drafter (a directory or 'default') with a fresh "
                                          "schedule; the layout options then come from it", metavar="DIR",
                                   check=existing("dir", names=("default",)))
@@ -77,7 +80,8 @@ class DrafterOptions:
     def kind_fields(self, kind: str | None = None) -> dict:
         """DrafterConfig's kind and the kind's fields given as flags (a flag of another kind is refused)."""
         kind = kind or self.kind or "dflash"
-        given = {n: getattr(self, n) for n in ("markov_rank", "selector_rank", "selector_top_k")
+        given = {n: getattr(self, n) for n in ("markov_rank", "selector_rank", "selector_top_k", "emb_dim",
+                                               "gru_hidden_dim")
                  if getattr(self, n) is not None}
         foreign = sorted(n for n in given if n not in KIND_FIELDS[kind])
         if foreign:

@@ -235,7 +235,8 @@ def check_init_drafter(cfg, dc) -> None:
            "sliding_window": dc.sliding_window if any(sliding) else 0, "sliding_layers": sum(sliding),
            "bidirectional_sliding": not dc.sliding_causal_in_block, "draft_vocab": dc.draft_vocab_size or "full"}
     if not d.kind or d.kind == dc.kind:  # a kind's fields apply only where --kind changes it
-        has.update({n: getattr(dc, n, None) for n in ("markov_rank", "selector_rank", "selector_top_k")})
+        has.update({n: getattr(dc, n, None) for n in ("markov_rank", "selector_rank", "selector_top_k", "emb_dim",
+                                                      "gru_hidden_dim")})
     wrong = []
     for name in sorted(given(cfg, "drafter") & (set(has) | set(INIT_ONLY))):
         now = getattr(d, name)
