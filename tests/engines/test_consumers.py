@@ -92,7 +92,8 @@ def kind_configs():
     from blockdraft.config import KINDS, DrafterConfig
 
     kw = {"dflash": {}, "dspark": dict(markov_rank=8), "dflash2": dict(selector_rank=8, selector_top_k=4,
-                                                                       conv_group_size=8)}
+                                                                       conv_group_size=8),
+          "domino": dict(emb_dim=8, gru_hidden_dim=6)}
     t = tiny_target("qwen3")
     for kind in KINDS:
         for extra in ({}, dict(draft_vocab_size=64), dict(layer_types=["sliding_attention", "full_attention"],

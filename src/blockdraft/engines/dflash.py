@@ -26,6 +26,8 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
                                                "drops markov_head.* and confidence_head.* as unexpected weights, so "
                                                "it drafts the backbone's argmax without the Markov bias (output "
                                                "stays lossless; drafts differ)"))
+    if cfg.kind == "domino":  # no DominoDraftModel in dflash 0.1.0
+        out.append(Difference("dflash", False, "has no Domino (no DominoDraftModel): it does not load this drafter"))
     return out
 
 ENGINE = Engine(

@@ -25,6 +25,9 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("speculators", False, "its DFlash2 requires the full target vocabulary "
                                                     "(models/dflash2/core.py): this drafter has a draft vocabulary, "
                                                     "so the export is refused"))
+    if cfg.kind == "domino":
+        out.append(Difference("speculators", False, "speculators 0.9.0 has no Domino (its issue #773): the export "
+                                                    "is refused"))
     return out
 
 ENGINE = Engine(

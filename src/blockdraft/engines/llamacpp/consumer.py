@@ -52,6 +52,9 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 
 def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
     out = []
+    if cfg.kind == "domino":  # the GGUF writer refuses it first (checkpoint/formats/gguf.py)
+        return [Difference("llama.cpp", False, "llama.cpp b11434 has no Domino drafter (no GRU correction in its "
+                                               "DFlash graph): the export is refused")]
 
     def refuse(what: str) -> None:
         out.append(Difference("llama.cpp", True, what))

