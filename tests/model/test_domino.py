@@ -212,3 +212,20 @@ def test_domino_fields_default_to_the_recipes_and_are_checked():
         DrafterConfig.for_target(t, kind="dflash", emb_dim=4)
     with pytest.raises(ValueError, match="no slot"):
         DrafterConfig.for_target(t, kind="domino", block_size=4, pure_draft_prefix_len=3)
+
+
+def test_init_drafter_with_kind_domino_keeps_the_saved_drafters_drafts(tmp_path):
+    """`train --init-drafter D --kind domino --emb-dim 8 --gru-hidden-dim 6`'s path (continue_drafter with the
+    flags' DrafterOptions): the saved DFlash drafter becomes Domino and drafts what it drafted."""
+    from blockdraft.checkpoint import save_drafter
+    from blockdraft.train.build import DrafterOptions, continue_drafter
+
+    t = target()
+    d0 = drafter(t)
+    save_drafter(d0, tmp_path / "d")
+    dk = continue_drafter(str(tmp_path / "d"), t, "cpu", options=DrafterOptions(kind="domino", **KW))
+    assert (dk.config.kind, dk.config.emb_dim, dk.config.gru_hidden_dim) == ("domino", 8, 6)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3, 20, 21]])
+    r0 = speculative_generate(t, d0, ids, max_new_tokens=24)
+    rk = speculative_generate(t, dk, ids, max_new_tokens=24)
+    assert rk.drafts == r0.drafts and rk.tokens == r0.tokens
