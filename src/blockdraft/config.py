@@ -211,8 +211,8 @@ class DrafterConfig:
             need(self.markov_rank > 0 or not self.confidence_head,
                  "a DSpark confidence head reads W1[previous token]: it needs markov_rank > 0")
         if self.kind == "domino":
-            need(self.pure_draft_prefix_len < self.block_size - 1,
-                 f"pure_draft_prefix_len {self.pure_draft_prefix_len} leaves no slot of a {self.block_size} block corrected")
+            need(self.pure_draft_prefix_len < self.block_size - 1, f"pure_draft_prefix_len "
+                 f"{self.pure_draft_prefix_len} leaves no slot of a {self.block_size} block corrected")
             need(self.lambda_base_start <= 1, f"lambda_base_start {self.lambda_base_start} exceeds 1")
         if self.kind == "dflash2":
             need(self.hidden_size % self.conv_group_size == 0,

@@ -342,7 +342,8 @@ def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int 
         # each block's drafts from the training path's rows, read as the kind reads them when it serves
         # (DSpark's and DFlash2's walks start from the anchor's token)
         trained = torch.stack([drafter.kind.draft(drafter, head, hidden[j, 1:], int(seq[0, a]), rows, None, None,
-                                                  embed=target.embed).tokens.cpu() for j, a in enumerate(anchors.tolist())])  # [N, B-1]
+                                                  embed=target.embed).tokens.cpu()
+                               for j, a in enumerate(anchors.tolist())])  # [N, B-1]
         want = torch.full_like(trained, -1)  # the text's next tokens; -1 past its end
         for j, a in enumerate(anchors.tolist()):
             nxt = seq[0, a + 1:a + B]

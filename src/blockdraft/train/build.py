@@ -43,7 +43,8 @@ class DrafterOptions:
                                  "it, + a confidence head); dflash2 (+ in-block convolutions, + a top-K candidate "
                                  "selector); domino (+ a GRU correction of each slot's logits from the block's "
                                  "tokens before it). With --init-drafter a DFlash drafter becomes this kind, "
-                                 "starting as its exact function (default: dflash, or the drafter's own)", choices=KINDS)
+                                 "starting as its exact function (default: dflash, or the drafter's own)",
+                           choices=KINDS)
     markov_rank: int | None = opt(None, "dspark: rank of the Markov bias (0: none) (default: 256)", min=0)
     selector_rank: int | None = opt(None, "dflash2: rank of the candidate selector (default: 256)", min=1)
     selector_top_k: int | None = opt(None, "dflash2: candidates per slot (default: 16)", min=1)

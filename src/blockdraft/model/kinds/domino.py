@@ -61,7 +61,8 @@ class DominoTerms(SlotTerms):
         c = self.drafter.config
         if not self.drafter.training:  # held-out figures read the corrected logits alone
             return 0.0
-        return lambda_base(c.lambda_base_start, c.lambda_base_decay_ratio, getattr(self.drafter, "train_progress", None))
+        progress = getattr(self.drafter, "train_progress", None)  # the trainer's steps done / total
+        return lambda_base(c.lambda_base_start, c.lambda_base_decay_ratio, progress)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head's logits alone (those `logits` made of the same rows, kept)."""
