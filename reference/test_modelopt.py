@@ -21,13 +21,14 @@ Run in `.venv-ref-spec` (nvidia-modelopt --no-deps, plus the pure-python omegaco
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from common import KIND_CASES, B, threads, tiny_drafter, tiny_target
+from common import DOMINO_CASE, B, threads, tiny_drafter, tiny_target
 from safetensors.torch import load_file
 
 from blockdraft.checkpoint import save_drafter
@@ -44,12 +45,18 @@ PROMPT, NEW = 8, 32
 ANCHORS = (8, 12, 16, 20, 24, 28, 32)  # B apart: a + B, where its position B - 1 would learn, is the next anchor
 
 
+@functools.cache
+def _greedy_ids():
+    p = torch.randint(0, 159, (1, PROMPT), generator=torch.Generator().manual_seed(4))
+    return tiny_target().model.generate(p, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
 def greedy_batch(target):
     """A row whose tokens after the prompt are the target's greedy output (the data's token is the argmax):
     Model-Optimizer learns the data, blockdraft's hard loss the argmax. The positions a + B (what
-    Model-Optimizer's last block position would learn; ours has no such slot) are out of the loss."""
-    p = torch.randint(0, 159, (1, PROMPT), generator=torch.Generator().manual_seed(4))
-    ids = target.model.generate(p, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    Model-Optimizer's last block position would learn; ours has no such slot) are out of the loss. Made
+    once (the same tiny target every time)."""
+    ids = _greedy_ids().clone()
     mask = torch.ones_like(ids)
     mask[:, :PROMPT] = 0
     for a in ANCHORS:
@@ -74,7 +81,7 @@ def their_module(path, prefix_len):
 
 
 def written(target, path, prefix_len):
-    ours = tiny_drafter(target, dict(KIND_CASES["domino"], pure_draft_prefix_len=prefix_len))
+    ours = tiny_drafter(target, dict(DOMINO_CASE, pure_draft_prefix_len=prefix_len))
     with torch.no_grad():  # the GRU reads raw embedding rows (small): large input weights let each token count
         ours.prefix_gru.weight_ih_l0.mul_(20)
     save_drafter(ours, path)

@@ -21,7 +21,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from common import CASES, KIND_CASES, TINY_V, B, W, threads, tiny_drafter, tiny_target
+from common import CASES, DOMINO_CASE, KIND_CASES, TINY_V, B, W, threads, tiny_drafter, tiny_target
 from safetensors.torch import load_file
 
 from blockdraft.checkpoint import save_drafter
@@ -391,7 +391,7 @@ def domino_prefixes(ids, a):
 
 
 def domino_written(target, path, prefix_len):
-    ours = tiny_drafter(target, dict(KIND_CASES["domino"], pure_draft_prefix_len=prefix_len))
+    ours = tiny_drafter(target, dict(DOMINO_CASE, pure_draft_prefix_len=prefix_len))
     with torch.no_grad():  # the GRU reads raw embedding rows (small): large input weights let each token count
         ours.prefix_gru.weight_ih_l0.mul_(20)
     save_drafter(ours, path)
@@ -430,16 +430,18 @@ def test_specforge_builds_our_domino_and_drafts_our_chain(tmp_path, prefix_len):
                                       embed=target.embed).tokens
         assert torch.equal(chain, drafted), (C, chain, drafted)
     assert moved == len(ANCHORS)  # the correction is not nothing
+    if prefix_len:  # spec_generate once (it is the target's greedy output either way)
+        return
     prompt = ids[:, :12]
     greedy = target.model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, 12:].tolist()
     assert theirs.spec_generate(target.model, prompt, max_new_tokens=24, stop_token_ids=None,
                                 temperature=0.0)[0, 12:].tolist() == greedy
 
 
-@pytest.mark.parametrize("progress", [0.2, 0.75])
+@pytest.mark.parametrize("progress", [0.2])
 def test_specforge_domino_loss_is_our_hard_loss_on_greedy_data(tmp_path, progress):
     """OnlineDominoModel (shift_label false) at its strategy's lambda_base for this point of the run
-    (`linear_lambda_base`, lambda_base_start 1, decay ratio 0.5: 0.6, 0): (1 - lambda) final + lambda base
+    (`linear_lambda_base`, lambda_base_start 1, decay ratio 0.5: 0.6, both terms): (1 - lambda) final + lambda base
     cross-entropy, weights exp(-(k-1)/gamma) from slot 1, and every weight's gradient, are our hard loss at
     that progress on the same anchors (greedy data: the data's token is the target's argmax)."""
     strategies = importlib.import_module("specforge.training.strategies.base")
