@@ -38,6 +38,9 @@ KIND_CASES = {
     "dspark": dict(num_layers=2, kind="dspark", markov_rank=8),
     "dflash2": dict(num_layers=2, kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4),
 }
+# Domino is judged by SpecForge and Model-Optimizer only (no speculators, vLLM or llama.cpp Domino): kept out of
+# KIND_CASES, which test_vllm.py writes in both directory formats
+DOMINO_CASE = dict(num_layers=2, kind="domino", emb_dim=8, gru_hidden_dim=6)
 ANCHOR_CASES = {
     "anchor-causal": dict(num_layers=1, layer_types=["sliding_attention"], sliding_window=W,
                           sliding_causal_in_block=True, sliding_window_rule="anchor"),

@@ -20,7 +20,7 @@ mkdir -p "$(dirname "$REFERENCE_RESULTS")"
 BASE="${TMPDIR:-/tmp}/blockdraft-reference-$$"
 mkdir -p "$BASE"
 .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --durations=8 --basetemp="$BASE/spec" -rs \
-  reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py
+  reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py reference/test_modelopt.py
 .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
   reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_nodes.py reference/test_vllm_capture.py \
   reference/test_vllm_parsers.py reference/test_vllm_lilicorr.py

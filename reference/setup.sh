@@ -30,6 +30,13 @@ make_env .venv-ref-vllm reference/requirements-vllm.txt "torchvision torchaudio 
 if ! .venv-ref-spec/bin/python -m pip show -q specforge >/dev/null 2>&1; then
   .venv-ref-spec/bin/python -m pip install -q --no-deps specforge==0.2.0
 fi
+# NVIDIA Model-Optimizer 0.47.0 beside it, --no-deps (its requirements pull CUDA packages), with the three its
+# `modelopt.torch` import needs (omegaconf, pulp: pure Python; scipy): reference/test_modelopt.py runs its
+# Domino module and its head and loss methods on this environment's torch.
+if ! .venv-ref-spec/bin/python -c "import modelopt.torch" >/dev/null 2>&1; then
+  .venv-ref-spec/bin/python -m pip install -q --no-deps nvidia-modelopt==0.47.0
+  .venv-ref-spec/bin/python -m pip install -q omegaconf==2.4.0 pulp==3.3.2 scipy==1.17.1
+fi
 
 make_llama() {  # make_llama DIR: bin/llama-server; .complete is written last
   if [ ! -f "$1/.complete" ]; then

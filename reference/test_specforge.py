@@ -21,7 +21,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from common import CASES, KIND_CASES, TINY_V, B, W, threads, tiny_drafter, tiny_target
+from common import CASES, DOMINO_CASE, KIND_CASES, TINY_V, B, W, threads, tiny_drafter, tiny_target
 from safetensors.torch import load_file
 
 from blockdraft.checkpoint import save_drafter
@@ -382,3 +382,94 @@ def test_specforge_dspark_loss_shares_our_terms_and_trains_slot_k_for_a_plus_k_p
         w = torch.exp(-torch.arange(B, dtype=torch.float32) / GAMMA).expand(len(anchors), B).reshape(-1)
     torch.testing.assert_close(own, (w * (ce + bce)).sum() / w.sum(), rtol=1e-5, atol=1e-5)
     assert abs(own - loss_t) > 1e-2
+
+
+# ------------------------------------------------------------------------------------------- Domino
+def domino_prefixes(ids, a):
+    """Our `prev` for slots 1..B-1 of the block at anchor a: the block's tokens a..a+k-1, -1 past them."""
+    return torch.tensor([[int(ids[0, a + i]) if i < k else -1 for i in range(B - 1)] for k in range(1, B)])
+
+
+def domino_written(target, path, prefix_len):
+    ours = tiny_drafter(target, dict(DOMINO_CASE, pure_draft_prefix_len=prefix_len))
+    with torch.no_grad():  # the GRU reads raw embedding rows (small): large input weights let each token count
+        ours.prefix_gru.weight_ih_l0.mul_(20)
+    save_drafter(ours, path)
+    return ours
+
+
+@pytest.mark.parametrize("prefix_len", [0, 1])
+def test_specforge_builds_our_domino_and_drafts_our_chain(tmp_path, prefix_len):
+    """Its DominoDraftModel loads our directory with nothing dropped; on its own training rows its
+    `apply_logits_head` (teacher-forced block tokens) gives our corrected logits for slots 1..B-1; its greedy
+    `_sample_draft_tokens` on its serving rows (the verified token first) drafts our chain; its spec_generate
+    is the target's greedy output."""
+    target = tiny_target()
+    ours = domino_written(target, tmp_path / "d", prefix_len)
+    theirs = load_specforge(tmp_path / "d")
+    assert type(theirs).__name__ == "DominoDraftModel" and theirs.suffix_start == 1 + prefix_len
+    assert not theirs.shift_label and theirs.prefix_gru.hidden_size == 6
+    ids = random_ids()
+    rows = their_training_rows(theirs, target, ours, ids, ANCHORS)
+    head = target.model.get_output_embeddings()
+    emb = target.model.get_input_embeddings()
+    moved = 0
+    for j, C in enumerate(ANCHORS):
+        mine = our_rows(target, ours, ids, C)
+        with torch.no_grad():
+            logits = theirs.apply_logits_head(head(rows[j])[None, None], hidden_states=rows[j][None, None],
+                                              prev_token_embeddings=emb(ids[:, C:C + B])[None])[0, 0]
+            terms = ours.kind.slot_terms(ours, target.head, None, target.embed)
+            want = terms.logits(mine[1:], domino_prefixes(ids, C))
+            torch.testing.assert_close(logits[1:], want, **TOL)
+            moved += int((want - target.head(mine[1:])).abs().max() > 1e-2)
+            block = block_of(ours, ids, C)
+            served = their_serving_rows(theirs, target, ids, C, block)
+            chain = theirs._sample_draft_tokens(target.model, served[None], block[None])[0]
+            drafted = ours.kind.draft(ours, target.head, mine[1:], int(ids[0, C]), None, None, None,
+                                      embed=target.embed).tokens
+        assert torch.equal(chain, drafted), (C, chain, drafted)
+    assert moved == len(ANCHORS)  # the correction is not nothing
+    if prefix_len:  # spec_generate once (it is the target's greedy output either way)
+        return
+    prompt = ids[:, :12]
+    greedy = target.model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, 12:].tolist()
+    assert theirs.spec_generate(target.model, prompt, max_new_tokens=24, stop_token_ids=None,
+                                temperature=0.0)[0, 12:].tolist() == greedy
+
+
+@pytest.mark.parametrize("progress", [0.2])
+def test_specforge_domino_loss_is_our_hard_loss_on_greedy_data(tmp_path, progress):
+    """OnlineDominoModel (shift_label false) at its strategy's lambda_base for this point of the run
+    (`linear_lambda_base`, lambda_base_start 1, decay ratio 0.5: 0.6, both terms): (1 - lambda) final + lambda base
+    cross-entropy, weights exp(-(k-1)/gamma) from slot 1, and every weight's gradient, are our hard loss at
+    that progress on the same anchors (greedy data: the data's token is the target's argmax)."""
+    strategies = importlib.import_module("specforge.training.strategies.base")
+    from blockdraft.model.kinds.domino import lambda_base
+
+    target = tiny_target()
+    ours = domino_written(target, tmp_path / "d", 1)
+    theirs = load_specforge(tmp_path / "d")
+    ids, mask = greedy_batch(target)
+    anchors = torch.tensor(GREEDY_ANCHORS)
+    lam = strategies.linear_lambda_base(int(progress * 100), 100, 1.0, 0.5)
+    assert lam == lambda_base(1.0, 0.5, progress)
+    with torch.no_grad():
+        feats = target(ids, return_logits=False).features
+    t = family.OnlineDominoModel(theirs.train(), target.model.get_output_embeddings(),
+                                 target.model.get_input_embeddings(), ours.mask_token_id, block_size=B,
+                                 attention_backend="sdpa", loss_decay_gamma=GAMMA, shift_label=False)
+    fix_anchors(t, GREEDY_ANCHORS)
+    loss_t, acc_t, m_t = t(ids, feats, mask, lambda_base=lam)
+    loss_t.backward()
+    ours.train()
+    ours.train_progress = progress
+    loss_o, metrics = compute_loss(target, ours, Batch(ids, mask), anchors=anchors, loss="hard", gamma=GAMMA)
+    loss_o.backward()
+    torch.testing.assert_close(loss_t, loss_o, rtol=1e-5, atol=1e-5)
+    assert abs(acc_t.item() - metrics["accuracy"]) < 1e-6
+    assert abs(m_t["final_loss"] - m_t["base_loss"]) > 1e-2  # the two terms differ: lambda matters
+    g_t, g_o = grads(theirs), grads(ours)
+    assert set(g_t) == set(g_o) and {"prefix_gru.weight_ih_l0", "embed_proj.2.weight"} <= set(g_o)
+    for name in g_o:
+        torch.testing.assert_close(g_t[name], g_o[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -190,10 +190,11 @@ def test_cli_exit_code(tmp_path):
 
 
 KIND_KW = {"dspark": dict(kind="dspark", markov_rank=8),
-           "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8)}
+           "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8),
+           "domino": dict(kind="domino", emb_dim=8, gru_hidden_dim=6)}
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash2", "domino"])
 def test_serving_check_reads_each_kind_by_its_walk(monkeypatch, kind):
     """For DSpark and DFlash2 the served drafts come from the kind's walk (each slot reads the draft
     before it, from the verified token on): the training path's rows walked the same way give the
@@ -208,8 +209,8 @@ def test_serving_check_reads_each_kind_by_its_walk(monkeypatch, kind):
     assert doctor.check_serving(t, d, ids).status == "PASS"
     real = proposers.DrafterProposer._score
 
-    def off_by_one(self, hidden, prev):  # generation's walk starts from the token after the verified one
-        return real(self, hidden, (prev + 1) % V)
+    def off_by_one(self, hidden, prefix):  # generation's walk starts from the token after the verified one
+        return real(self, hidden, [*prefix[:-1], (prefix[-1] + 1) % V])
 
     monkeypatch.setattr(proposers.DrafterProposer, "_score", off_by_one)
     assert doctor.check_serving(t, d, ids).status == "FAIL"
@@ -221,6 +222,22 @@ def test_kind_check_passes_each_sound_kind_and_names_its_engines(kind):
     c = doctor.check_kind(d)
     assert c.status in ("PASS", "WARN") and "llama.cpp" in c.message, c
     assert ("V2 GPU runner only" in c.message) == (kind != "dflash")
+
+
+def test_kind_check_holds_dominos_tensors_to_specforges_shapes():
+    """A sound Domino passes, naming the engines that do not serve it; a GRU with biases (SpecForge's checkpoint
+    has none) or a projection of another width than its field fails, naming the tensor."""
+    from torch import nn
+
+    _, d, _ = setup(**KIND_KW["domino"])
+    c = doctor.check_kind(d)
+    assert c.status in ("PASS", "WARN") and "no Domino" in c.message, c
+    d.prefix_gru = nn.GRU(32, 6, bias=True, batch_first=True)
+    assert "carry biases" in doctor.check_kind(d).message
+    _, d, _ = setup(**KIND_KW["domino"])
+    d.embed_proj[0] = nn.Linear(38, 9, bias=False)
+    c = doctor.check_kind(d)
+    assert c.status == "FAIL" and "embed_proj.0.weight is (9, 38), its fields say (8, 38)" in c.message, c
 
 
 def test_kind_check_catches_a_convolution_that_reaches_back_in_the_block(monkeypatch):

@@ -28,9 +28,10 @@ DEFAULT_WINDOW_RULE = WINDOW_QUERY
 # Drafter kinds (DESIGN.md section 2): the DFlash backbone alone, plus DSpark's Markov and confidence
 # heads, or plus DFlash2's convolutions and candidate selector. Each kind's fields and their defaults
 # (speculators 0.9.0's); a field of another kind must stay unset. The modules are in model/kinds/.
-KINDS = ("dflash", "dspark", "dflash2", "lilicorr")
+KINDS = ("dflash", "dspark", "dflash2", "lilicorr", "domino")
 # kind fields that may be 0 (off, or "the drafter's width"), per kind
-ZERO_OK = {"dspark": ("markov_rank",), "lilicorr": ("conv_kernel_size", "conv_group_size", "lilicorr_hidden_size")}
+ZERO_OK = {"dspark": ("markov_rank",), "lilicorr": ("conv_kernel_size", "conv_group_size", "lilicorr_hidden_size"),
+           "domino": ("pure_draft_prefix_len", "lambda_base_start", "lambda_base_decay_ratio")}
 KIND_FIELDS = {
     "dflash": {},
     "dspark": {"markov_rank": 256, "confidence_head": True},
@@ -39,6 +40,10 @@ KIND_FIELDS = {
     "lilicorr": {"conv_kernel_size": 0, "conv_group_size": 0, "lilicorr_candidate_topk": 8, "lilicorr_hidden_size": 0,
                  "lilicorr_num_layers": 2, "lilicorr_num_heads": 4, "lilicorr_mlp_ratio": 2.0,
                  "lilicorr_factor_dim": 64, "lilicorr_vector_eps": 1e-6, "lilicorr_logit_scale": 10.0},
+    # Domino: Model-Optimizer 0.47.0's recipe widths (speculative_decoding/domino.yaml; SpecForge has no default),
+    # SpecForge 0.2.0's prefix (0 under shift_label false) and lambda schedule (lambda_base_start, _decay_ratio)
+    "domino": {"emb_dim": 256, "gru_hidden_dim": 1024, "pure_draft_prefix_len": 0, "lambda_base_start": 1.0,
+               "lambda_base_decay_ratio": 0.5},
 }
 
 
@@ -137,6 +142,11 @@ class DrafterConfig:
     lilicorr_factor_dim: int | None = None  # LiLiCorr: width of the outgoing / incoming unit vectors
     lilicorr_vector_eps: float | None = None  # LiLiCorr: the unit vectors' normalisation floor
     lilicorr_logit_scale: float | None = None  # LiLiCorr: scores = scale * cosine
+    emb_dim: int | None = None  # Domino: width of the correction MLP (embed_proj)
+    gru_hidden_dim: int | None = None  # Domino: width of the GRU state over the block's tokens
+    pure_draft_prefix_len: int | None = None  # Domino: slots 1..this keep the head's logits alone
+    lambda_base_start: float | None = None  # Domino: the base loss's first weight (falls linearly to 0)
+    lambda_base_decay_ratio: float | None = None  # Domino: share of the run over which it falls
     # Whether slot 0 (the anchor) predicts too (DSpark's reference default); blockdraft trains every
     # kind with the DFlash convention, slot k predicting the token at anchor + k, and writes it out.
     sample_from_anchor: bool = False
@@ -215,6 +225,10 @@ class DrafterConfig:
         if self.kind == "dspark":
             need(self.markov_rank > 0 or not self.confidence_head,
                  "a DSpark confidence head reads W1[previous token]: it needs markov_rank > 0")
+        if self.kind == "domino":
+            need(self.pure_draft_prefix_len < self.block_size - 1, f"pure_draft_prefix_len "
+                 f"{self.pure_draft_prefix_len} leaves no slot of a {self.block_size} block corrected")
+            need(self.lambda_base_start <= 1, f"lambda_base_start {self.lambda_base_start} exceeds 1")
         if self.kind == "dflash2":
             need(self.hidden_size % self.conv_group_size == 0,
                  f"hidden_size {self.hidden_size} must be a multiple of conv_group_size {self.conv_group_size}")

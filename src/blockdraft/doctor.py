@@ -200,6 +200,23 @@ def lilicorr_problems(drafter) -> list[str]:
     return out
 
 
+def domino_problems(drafter) -> list[str]:
+    """Domino's tensors against its fields, as SpecForge builds them (a bias-free GRU over the target's
+    embedding rows; Linear(Hd + G, E) -> SiLU -> Linear(E, Vd), no biases), and its prefix inside the block."""
+    c, gru, proj = drafter.config, drafter.prefix_gru, drafter.embed_proj
+    G, E, Vd = c.gru_hidden_dim, c.emb_dim, c.draft_vocab_size or c.vocab_size
+    want = {"prefix_gru.weight_ih_l0": (3 * G, c.hidden_size), "prefix_gru.weight_hh_l0": (3 * G, G),
+            "embed_proj.0.weight": (E, c.hidden_size + G), "embed_proj.2.weight": (Vd, E)}
+    got = {"prefix_gru.weight_ih_l0": gru.weight_ih_l0.shape, "prefix_gru.weight_hh_l0": gru.weight_hh_l0.shape,
+           "embed_proj.0.weight": proj[0].weight.shape, "embed_proj.2.weight": proj[2].weight.shape}
+    out = [f"{n} is {tuple(got[n])}, its fields say {w}" for n, w in want.items() if tuple(got[n]) != w]
+    if gru.bias or proj[0].bias is not None or proj[2].bias is not None:
+        out.append("Domino's GRU and projections carry biases SpecForge's checkpoint has no place for")
+    if not 0 <= c.pure_draft_prefix_len < c.block_size - 1:
+        out.append(f"pure_draft_prefix_len {c.pure_draft_prefix_len} leaves no slot corrected")
+    return out
+
+
 def check_kind(drafter) -> Check:
     """The contract terms a drafter kind adds, on this checkpoint: the anchor convention, the kind's
     tensors against its config, DFlash2's in-block causality (measured) and llama.cpp's limits; and
@@ -212,6 +229,8 @@ def check_kind(drafter) -> Check:
         w2 = drafter.markov_head.markov_w2.weight
         if w2.shape[0] != (c.draft_vocab_size or c.vocab_size):
             problems.append(f"markov_w2 has {w2.shape[0]} rows for a {c.draft_vocab_size or c.vocab_size}-token head")
+    if kind == "domino":
+        problems += domino_problems(drafter)
     if kind == "dflash2":
         K = c.selector_top_k
         if c.hidden_size < K * (K + 1):
@@ -343,7 +362,7 @@ def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int 
         # each block's drafts from the training path's rows, read as the kind reads them when it serves
         # (DSpark's and DFlash2's walks start from the anchor's token)
         trained = torch.stack([drafter.kind.draft(drafter, head, hidden[j, 1:], int(seq[0, a]), rows, None, None,
-                                                  **_lattice(target, drafter, p, a)).tokens.cpu()
+                                                  embed=target.embed, **_lattice(target, drafter, p, a)).tokens.cpu()
                                for j, a in enumerate(anchors.tolist())])  # [N, B-1]
         want = torch.full_like(trained, -1)  # the text's next tokens; -1 past its end
         for j, a in enumerate(anchors.tolist()):

@@ -566,3 +566,14 @@ def test_llamacpp_replay_walks_the_kind_from_the_anchor_token(case):
     assert same["agree"] == same["slots"] == 3 * len(anchors) and same["unmatched"] == 0
     other = llamacpp.replay(t, d, prompt, output, argmaxes, anchors)
     assert other["agree"] < other["slots"]
+
+
+def test_gguf_refuses_a_domino_drafter_in_one_line(tmp_path):
+    """llama.cpp b11434 has no Domino: nothing is written, and one line names the layout that serves it."""
+    d = DFlashDrafter(tiny_cfg(kind="domino", emb_dim=8, gru_hidden_dim=6))
+    c = d.config
+    target = fake_target_gguf(tmp_path / "t.gguf", hidden=c.target_hidden_size, layers=c.target_num_layers,
+                              vocab=c.vocab_size)
+    with pytest.raises(ValueError, match=r"^llama.cpp b11434 has no Domino drafter[^\n]*--to zlab") as e:
+        export_gguf(d, tmp_path / "d.gguf", target_gguf=target)
+    assert "\n" not in str(e.value) and not (tmp_path / "d.gguf").exists()

@@ -290,3 +290,57 @@ def test_differences_name_the_consumers_that_cannot_serve_a_kind():
     assert [f.consumer for f in format_differences("speculators", d.config)][0] == "speculators"
     plain = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4)).config
     assert all(format_differences(name, plain) == [] for name in FORMATS)
+
+
+def _domino(t, **kw) -> DFlashDrafter:
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, kind="domino", emb_dim=8,
+                                               gru_hidden_dim=6, pure_draft_prefix_len=1, **kw))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return d
+
+
+def test_domino_writes_specforges_fields_and_names_and_reads_back(tmp_path):
+    """The z-lab layout of a Domino drafter: SpecForge's architecture, its fields inside dflash_config (what its
+    DominoDraftModel reads), its tensor names and shapes; read back (with or without blockdraft's own key) as the
+    same drafter, computing the same loss."""
+    t = tiny_target("qwen3")
+    d = _domino(t)
+    verifier = fake_verifier(tmp_path / "verifier", t)
+    path, _ = export_drafter(d, tmp_path / "x", "zlab", verifier=verifier)
+    raw, sd = files(path)
+    assert raw["architectures"] == ["DominoDraftModel"]
+    assert {k: raw["dflash_config"][k] for k in ("projector_type", "emb_dim", "gru_hidden_dim",
+                                                  "pure_draft_prefix_len", "shift_label")} == \
+        {"projector_type": "domino", "emb_dim": 8, "gru_hidden_dim": 6, "pure_draft_prefix_len": 1,
+         "shift_label": False}
+    assert {k: list(v.shape) for k, v in sd.items() if k.startswith(("prefix_gru", "embed_proj"))} == {
+        "prefix_gru.weight_ih_l0": [18, 32], "prefix_gru.weight_hh_l0": [18, 6], "embed_proj.0.weight": [8, 38],
+        "embed_proj.2.weight": [V, 8]}
+    back = load_drafter(path)
+    assert back.config == d.config
+    foreign = config_from_json({k: v for k, v in raw.items() if k != "blockdraft"})
+    assert (foreign.kind, foreign.emb_dim, foreign.gru_hidden_dim, foreign.pure_draft_prefix_len) == ("domino", 8, 6, 1)
+    same_loss(t, d, back)
+    save_drafter(d, tmp_path / "native")
+    convert(tmp_path / "native", tmp_path / "y", "zlab", verifier=verifier)
+    assert files(tmp_path / "y")[0]["dflash_config"] == raw["dflash_config"]
+
+
+def test_domino_files_and_layouts_blockdraft_cannot_serve_are_refused_in_one_line(tmp_path):
+    t = tiny_target("qwen3")
+    d = _domino(t)
+    verifier = fake_verifier(tmp_path / "v", t)
+    raw, _ = files(export_drafter(d, tmp_path / "x", "zlab", verifier=verifier)[0])
+    raw = {k: v for k, v in raw.items() if k != "blockdraft"}
+    with pytest.raises(ValueError, match="shift_label is true: each block position predicts the token after"):
+        config_from_json({**raw, "dflash_config": {**raw["dflash_config"], "shift_label": True}})
+    with pytest.raises(ValueError, match=r"^speculators 0.9.0 has no Domino drafter[^\n]*--to zlab"):
+        export_drafter(d, tmp_path / "s", "speculators", verifier=verifier)
+    assert not (tmp_path / "s").exists()
+    dv = _domino(t, draft_vocab_size=40)
+    dv.set_draft_vocab(torch.arange(40))
+    with pytest.raises(ValueError, match=r"^SpecForge's Domino scores the full vocabulary[^\n]*--draft-vocab full"):
+        export_drafter(dv, tmp_path / "z", "zlab", verifier=verifier)

@@ -93,7 +93,8 @@ def kind_configs():
 
     kw = {"dflash": {}, "dspark": dict(markov_rank=8), "dflash2": dict(selector_rank=8, selector_top_k=4,
                                                                        conv_group_size=8),
-          "lilicorr": dict(lilicorr_candidate_topk=4, lilicorr_num_heads=2)}
+          "lilicorr": dict(lilicorr_candidate_topk=4, lilicorr_num_heads=2),
+          "domino": dict(emb_dim=8, gru_hidden_dim=6)}
     t = tiny_target("qwen3")
     for kind in KINDS:
         for extra in ({}, dict(draft_vocab_size=64), dict(layer_types=["sliding_attention", "full_attention"],

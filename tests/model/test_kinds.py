@@ -17,7 +17,8 @@ from blockdraft.train.build import change_kind
 from blockdraft.train.step import Batch, compute_loss, prepare
 from conftest import tiny_rows, tiny_target
 
-KIND_KW = {"dspark": dict(markov_rank=8), "dflash2": dict(selector_rank=8, selector_top_k=4, conv_group_size=8)}
+KIND_KW = {"dspark": dict(markov_rank=8), "dflash2": dict(selector_rank=8, selector_top_k=4, conv_group_size=8),
+           "domino": dict(emb_dim=8, gru_hidden_dim=6)}
 
 
 def target():
@@ -223,7 +224,7 @@ def assert_drawn_from(tokens: list[int], q: torch.Tensor) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash2", "domino"])
 def test_each_kind_samples_from_the_target_distribution(kind):
     """Chi-square test of the third generated token: the second drafted one, whose draft distribution
     depends on the draw before it (DSpark's bias, DFlash2's walk), against the target's own marginal."""
@@ -262,7 +263,7 @@ def test_kind_fields_of_another_kind_are_refused():
     assert dataclasses.replace(cfg).kind == "dflash2"
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2", "domino"])
 def test_a_kind_is_chained_exactly_when_a_slots_draft_reads_the_token_before_it(kind):
     """`Kind.chained` (llama.cpp's replay counts a chained kind's walk step by step from llama.cpp's
     own previous draft): measured against the draft itself, one slot drafted after every token."""
@@ -271,6 +272,6 @@ def test_a_kind_is_chained_exactly_when_a_slots_draft_reads_the_token_before_it(
     perturb(d)
     hidden = torch.randn(4, 32)
     with torch.no_grad():
-        drafts = [{int(d.kind.draft(d, t.head, h[None], prev, None, None, None).tokens) for prev in range(t.vocab_size)}
-                  for h in hidden]
+        drafts = [{int(d.kind.draft(d, t.head, h[None], prev, None, None, None, embed=t.embed).tokens)
+                   for prev in range(t.vocab_size)} for h in hidden]
     assert d.kind.chained == any(len(tokens) > 1 for tokens in drafts), drafts

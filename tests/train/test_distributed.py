@@ -23,7 +23,8 @@ EVAL_ROWS = 5  # an odd count: one rank evaluates more batches than the other
 
 
 KIND_KW = {"dflash": {}, "dspark": dict(kind="dspark", markov_rank=8),
-           "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8)}
+           "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8),
+           "domino": dict(kind="domino", emb_dim=8, gru_hidden_dim=6)}
 
 
 def build(out, grad_accum, fsdp=False, row_shards=None, memo=False, steps=5, kind="dflash"):
@@ -228,7 +229,7 @@ def test_fsdp_two_processes_match_one_process_and_resume_exactly(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash2", "domino"])
 def test_fsdp_trains_each_kind_as_one_process_does(tmp_path, kind):
     """The kinds' own modules (DSpark's heads and DFlash2's selector beside the layers, its convolutions
     inside them) sharded by FSDP2 on 2 gloo processes: one process's losses and final weights."""

@@ -25,7 +25,8 @@ from blockdraft.train.step import Batch, compute_loss, prepare
 from conftest import tiny_rows, tiny_target
 
 KIND_KW = {"dflash": {}, "dspark": dict(markov_rank=8, confidence_head=True),
-           "dflash2": dict(selector_rank=8, selector_top_k=4, conv_group_size=8)}
+           "dflash2": dict(selector_rank=8, selector_top_k=4, conv_group_size=8),
+           "domino": dict(emb_dim=8, gru_hidden_dim=6)}
 
 
 def sharp_target():
@@ -54,7 +55,7 @@ def brute_force(t, d, b, anchors, loss, gamma):
     p = prepare(t, d, b, anchors=anchors)
     h = d(p.features, p.block_embeds, p.layout)[p.supervised]
     rows = d.vocab_rows
-    terms = d.kind.slot_terms(d, lambda x: t.head(x, rows), rows)
+    terms = d.kind.slot_terms(d, lambda x: t.head(x, rows), rows, t.embed)
     draft = terms.logits(h, p.prev)  # [S, Vd]: all at once
     Bz, T = b.input_ids.shape
     with torch.no_grad():  # the target's own logits at every position, its own forward
@@ -95,7 +96,7 @@ def brute_force(t, d, b, anchors, loss, gamma):
     return value
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2", "domino"])
 @pytest.mark.parametrize("loss", ["hard", "soft", "kl"])
 @pytest.mark.parametrize("weighting", ["gamma", "dpace"])
 @pytest.mark.parametrize("vocab", [False, True])

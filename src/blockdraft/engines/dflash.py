@@ -29,10 +29,13 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
                                                "drops markov_head.* and confidence_head.* as unexpected weights, so "
                                                "it drafts the backbone's argmax without the Markov bias (output "
                                                "stays lossless; drafts differ)"))
+    if cfg.kind == "domino":  # no DominoDraftModel in dflash 0.1.0
+        out.append(Difference("dflash", False, "has no Domino (no DominoDraftModel): it does not load this drafter"))
     return out
 
 ENGINE = Engine(
     name="dflash", release=f"dflash {DFLASH_READ}", formats=("zlab",),
     kinds={"dflash": "", "dflash2": "z-lab layout"},
-    refused_kinds={"dspark": "it drops the Markov and confidence heads", "lilicorr": "no LiLiCorr"}, quirks=quirks,
+    refused_kinds={"dspark": "it drops the Markov and confidence heads", "lilicorr": "no LiLiCorr",
+                   "domino": "no DominoDraftModel: it has no GRU correction"}, quirks=quirks,
 )

@@ -35,6 +35,9 @@ def export_gguf(drafter, dst: str | os.PathLike, *, target_gguf: str | os.PathLi
                 allow_mismatch: bool = False, overwrite: bool = False) -> tuple[Path, list[Difference]]:
     """Write `drafter` as llama.cpp's DFlash GGUF file (`checkpoint.native.write_gguf`), refused where
     llama.cpp would compute another function unless `allow_mismatch`."""
+    from ..checkpoint.formats.gguf import check_kind
+
+    check_kind(drafter.config)  # no llama.cpp drafter of this kind at all: one line, not a mismatch to allow
     found = format_differences(formats.GGUF, drafter.config)
     if found and not allow_mismatch:
         raise ValueError("llama.cpp would serve this GGUF as another function: " + "; ".join(map(str, found))

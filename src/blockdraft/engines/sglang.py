@@ -254,7 +254,8 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 ENGINE = Engine(
     name="SGLang", release=f"SGLang {SGLANG_READ}", formats=("zlab",), kinds={"dflash": ""},
     refused_kinds={"dspark": "DFlash drafters only", "dflash2": "DFlash drafters only",
-                   "lilicorr": "DFlash drafters only (its LiLiCorr PR #37462 is not in this release)"},
+                   "lilicorr": "DFlash drafters only (its LiLiCorr PR #37462 is not in this release)",
+                   "domino": "its Domino (PR #36899) not read here"},
     capture=sglang_capture, capture_rule=(CAPTURE_METHOD, f"its class lacks {CAPTURE_METHOD}"),
     capture_check="target capture (SGLang)", capture_refused="SGLang's DFlash worker refuses it",
     capture_fix="serve with another engine (vLLM, llama.cpp, blockdraft) or an SGLang that adds it",

@@ -27,10 +27,13 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("speculators", False, "its DFlash2 requires the full target vocabulary "
                                                     "(models/dflash2/core.py): this drafter has a draft vocabulary, "
                                                     "so the export is refused"))
+    if cfg.kind == "domino":
+        out.append(Difference("speculators", False, "speculators 0.9.0 has no Domino (its issue #773): the export "
+                                                    "is refused"))
     return out
 
 ENGINE = Engine(
     name="speculators", release=f"speculators {SPECULATORS_READ}", formats=("speculators",),
     kinds={"dflash": "", "dspark": "", "dflash2": "full vocabulary only"}, quirks=quirks,
-    refused_kinds={"lilicorr": "no LiLiCorr in 0.9.0"},
+    refused_kinds={"lilicorr": "no LiLiCorr in 0.9.0", "domino": "no Domino (its issue #773)"},
 )

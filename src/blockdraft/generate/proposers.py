@@ -76,18 +76,19 @@ class DrafterProposer:
         # a drafter whose block attention is not causal must see the whole block at once
         rows_run = n if d.causal_in_block else b
         hidden = d.draft_hidden(new_feats.to(dt), new_pos, embeds[:rows_run], anchor_pos, self.cache)
-        first = self._score(hidden[1:n], int(block[0]))
+        first = self._score(hidden[1:n], [int(block[0])])
         if n == b or bool((first[2] < self.threshold).any()):
             return first
         if hidden.shape[0] < b:  # the context rows are already in the cache: none are added again
             hidden = d.draft_hidden(new_feats[:0].to(dt), new_pos[:0], embeds, anchor_pos, self.cache)
-        rest = self._score(hidden[n:], int(first[0][-1]))
+        rest = self._score(hidden[n:], [int(block[0]), *first[0].tolist()])
         return tuple(None if a is None else torch.cat([a, c]) for a, c in zip(first, rest))
 
-    def _score(self, hidden, prev: int):
-        """Normed drafter rows [s, Hd] and the token before the first -> drafted ids [s], (sampling)
-        their distributions [s, V], and the confidence a threshold cuts on [s]: the drafter's kind
-        reads them (model/kinds/: DSpark and DFlash2 walk left to right from `prev`)."""
+    def _score(self, hidden, prefix: list[int]):
+        """Normed drafter rows [s, Hd] and the block's tokens before the first (the anchor's, then the
+        drafts) -> drafted ids [s], (sampling) their distributions [s, V], and the confidence a threshold
+        cuts on [s]: the drafter's kind reads them (model/kinds/: DSpark and DFlash2 walk left to right
+        from the last of them, Domino from all of them)."""
         rows = self.drafter.vocab_rows
         s = self.s
 
@@ -95,10 +96,12 @@ class DrafterProposer:
             return self.target.head(h.to(self.target.dtype), rows)  # [s, Vd]
 
         probs = (lambda x: sampling_probs(x, s.temperature, s.top_p)) if s.temperature > 0 else None
+        kind = self.drafter.kind
+        prev = prefix if kind.reads_prefix else prefix[-1]
         extra = {}
-        if getattr(self.drafter.kind, "whole_block", False):  # LiLiCorr: the target's embedding and the anchor row
+        if getattr(kind, "whole_block", False):  # LiLiCorr: the target's embedding and the anchor row
             extra["lattice"] = LatticeInputs(self.target.embed, self.cache.anchor)
-        out = self.drafter.kind.draft(self.drafter, head, hidden, prev, rows, probs, s.generator, **extra)
+        out = kind.draft(self.drafter, head, hidden, prev, rows, probs, s.generator, embed=self.target.embed, **extra)
         return out.tokens, out.q, out.conf
 
 

@@ -12,7 +12,7 @@ from ..config import KIND_FIELDS, KINDS, WINDOW_QUERY, WINDOW_RULES
 
 # the kind fields `train` takes as flags
 KIND_FLAGS = ("markov_rank", "selector_rank", "selector_top_k", "lilicorr_candidate_topk", "lilicorr_num_layers",
-              "conv_kernel_size", "conv_group_size")
+              "conv_kernel_size", "conv_group_size", "emb_dim", "gru_hidden_dim")
 from ..options import existing, opt
 from ..target.family import final_norm, mlp_activation, pre_mlp_norm, rms_norm_scale
 from ..target.layers import find_decoder_layers
@@ -46,8 +46,10 @@ class DrafterOptions:
     kind: str | None = opt(None, "drafter kind: dflash; dspark (+ a Markov bias on each slot from the token before "
                                  "it, + a confidence head); dflash2 (+ in-block convolutions, + a top-K candidate "
                                  "selector); lilicorr (+ a correlator over each slot's top-K candidates, walked as "
-                                 "vLLM 0.32 does; convolutions with --conv-kernel-size). With --init-drafter a DFlash drafter becomes this kind, starting as "
-                                 "its exact function (default: dflash, or the drafter's own)", choices=KINDS)
+                                 "vLLM 0.32 does; convolutions with --conv-kernel-size); domino (+ a GRU correction "
+                                 "of each slot's logits from the block's tokens before it). With --init-drafter a "
+                                 "DFlash drafter becomes this kind, starting as its exact function (default: dflash, "
+                                 "or the drafter's own)", choices=KINDS)
     markov_rank: int | None = opt(None, "dspark: rank of the Markov bias (0: none) (default: 256)", min=0)
     selector_rank: int | None = opt(None, "dflash2: rank of the candidate selector (default: 256)", min=1)
     selector_top_k: int | None = opt(None, "dflash2: candidates per slot (default: 16)", min=1)
@@ -58,6 +60,8 @@ class DrafterOptions:
                                              "none; default: 2 for dflash2, 0 for lilicorr)", min=0)
     conv_group_size: int | None = opt(None, "dflash2, lilicorr: channels sharing one dynamic tap (default: 16 for "
                                             "dflash2, 0 for lilicorr; lilicorr with taps: 16)", min=0)
+    emb_dim: int | None = opt(None, "domino: width of the correction's projection (default: 256)", min=1)
+    gru_hidden_dim: int | None = opt(None, "domino: width of the GRU state (default: 1024)", min=1)
     init_drafter: str | None = opt(None, "go on training a saved drafter (a directory or 'default') with a fresh "
                                          "schedule; the layout options then come from it", metavar="DIR",
                                   check=existing("dir", names=("default",)))

@@ -351,6 +351,9 @@ class _ChunkShare:
             q[at] = _confidence(draft, top, draft_vocab)
             w = dpace_weights(q.view(e - b, B), supervised[b:e], gamma.alpha).reshape(-1)[at] * w
         per = slot_losses(draft, t, kind, _draft_column(top, draft_vocab))
+        lam = terms.base_share  # Domino: (1 - lambda) of the corrected logits' loss + lambda of the head's alone
+        if lam:
+            per = (1 - lam) * per + lam * slot_losses(terms.base_logits(h), t, kind, _draft_column(top, draft_vocab))
         added, picked = terms.added(draft, t, h, prev[i:j], top)
         picked = to_target_ids(draft.argmax(-1), draft_vocab) if picked is None else picked
         value = (w * per).sum()
@@ -447,7 +450,8 @@ def block_spans(supervised: torch.Tensor, chunk: int) -> list[tuple[int, int, in
 def trainable(terms) -> list[torch.Tensor]:
     """The parameters a kind's slot terms may train beside the drafter's hidden states (its own heads)."""
     mods = [m for m in (getattr(terms.drafter, name, None) for name in ("markov_head", "confidence_head",
-                                                                       "candidate_selector")) if m is not None]
+                                                                       "candidate_selector", "prefix_gru",
+                                                                       "embed_proj")) if m is not None]
     return [p for m in mods for p in m.parameters() if p.requires_grad]
 
 

@@ -99,7 +99,7 @@ class Prepared:
     features: torch.Tensor  # [Bz*T, F*Ht]
     block_embeds: torch.Tensor  # [N, B, Hd]
     layout: BlockLayout
-    prev: torch.Tensor  # [S] each supervised slot's previous token: the data's, at its label position
+    prev: torch.Tensor  # [S] each supervised slot's previous token, the data's (Domino: [S, B - 1] its block prefix)
     host_supervised: torch.Tensor | None = None  # `supervised` on the host (the loss's chunks of whole blocks)
 
 
@@ -185,7 +185,7 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
     embeds = target.embed(block_input_ids(flat.input_ids, anchors_d, B, drafter.mask_token_id))  # [N, B, Hd]
     layout = BlockLayout(flat.document_ids, flat.position_ids, anchors_d, B, host_document_ids=host.document_ids,
                          host_anchors=anchors)
-    prev = flat.input_ids[label_positions(anchors_d, B)[sup_d]]
+    prev = drafter.kind.slot_prev(flat.input_ids, anchors_d, sup_d)  # the tokens before each slot its terms read
     return Prepared(anchors_d, sup_d, labels, feats, embeds, layout, prev, sup)
 
 
@@ -201,7 +201,7 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
                  sync_metrics: bool = True, host_plan: HostPlan | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (clause 7); `sync_metrics=False` leaves them on the device as sums."""
     rows = drafter.vocab_rows
-    terms = drafter.kind.slot_terms(drafter, lambda h: target.head(h.to(target.dtype), rows), rows)
+    terms = drafter.kind.slot_terms(drafter, lambda h: target.head(h.to(target.dtype), rows), rows, target.embed)
     p = prepare(target, drafter, batch, max_anchors=max_anchors, generator=generator, anchors=anchors,
                 cached=cached, host_plan=host_plan, label_rows=needs_label_rows(loss, terms))
     dt = drafter.fc.weight.dtype

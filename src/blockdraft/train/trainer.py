@@ -360,6 +360,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.drafter.train()
+        self.drafter.train_progress = s / self.total  # where a kind's schedule stands (Domino's lambda)
         self.opt.zero_grad(set_to_none=True)
         agg: dict = {"loss": 0.0, "tau": 0.0, "accuracy": 0.0}
         gamma = self.gamma()

@@ -29,7 +29,8 @@ LILICORR_FIELDS = ("conv_kernel_size", "conv_group_size", "lilicorr_candidate_to
 OWN_FIELDS = ("target_hidden_size", "sliding_causal_in_block", "sliding_window_rule", "draft_vocab_size",
               "target_name", "tokenizer_hash", "generate_defaults", "kind", "markov_rank", "confidence_head",
               "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sample_from_anchor",
-              *LILICORR_FIELDS[2:])
+              *LILICORR_FIELDS[2:], "emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "lambda_base_start",
+              "lambda_base_decay_ratio")
 OWN_KEY = "blockdraft"  # blockdraft's own fields ride along under this key; other readers ignore it
 
 
@@ -146,6 +147,31 @@ def read_lilicorr(dc: dict) -> dict:
         raise ValueError("lilicorr_enabled is false: vLLM refuses such a LiLiCorr directory, and blockdraft has "
                          "no LiLiCorr drafter without its correlator")
     return {"kind": "lilicorr", **{k: dc[k] for k in LILICORR_FIELDS if dc.get(k) is not None}}
+
+
+DOMINO_ARCH = "DominoDraftModel"  # SpecForge 0.2.0 and Model-Optimizer 0.47.0's export
+DOMINO_FIELDS = ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len")
+
+
+def domino_fields(cfg: DrafterConfig) -> dict:
+    """Domino's fields inside `dflash_config`, as SpecForge 0.2.0's DominoDraftModel reads them; shift_label
+    false is blockdraft's convention (slot k predicts the token at anchor + k), said out loud."""
+    if cfg.draft_vocab_size:
+        raise ValueError("SpecForge's Domino scores the full vocabulary (its embed_proj has one row per target "
+                         "token); this drafter has a draft vocabulary: train it with --draft-vocab full")
+    return {"projector_type": "domino", **{k: getattr(cfg, k) for k in DOMINO_FIELDS}, "shift_label": False}
+
+
+def read_domino(dc: dict) -> dict:
+    """DrafterConfig fields of a Domino `dflash_config` (missing widths: blockdraft's defaults). Refused:
+    shift_label true (Model-Optimizer's training: position k predicts the token at anchor + k + 1)."""
+    if dc.get("shift_label", False):
+        raise ValueError("shift_label is true: each block position predicts the token after its own (Model-"
+                         "Optimizer's Domino), a convention blockdraft neither trains nor serves (slot k predicts "
+                         "the token at anchor + k); retrain with shift_label false")
+    if dc.get("projector_type", "domino") != "domino":
+        raise ValueError(f"projector_type {dc['projector_type']!r}: a Domino drafter has projector_type domino")
+    return {"kind": "domino", **{k: int(dc[k]) for k in DOMINO_FIELDS if dc.get(k) is not None}}
 
 
 def dflash2_fields(cfg: DrafterConfig) -> dict:

@@ -284,6 +284,13 @@ def _tensors(sd: dict, cfg: DrafterConfig, reader) -> list[tuple]:
     return out
 
 
+def check_kind(cfg: DrafterConfig) -> None:
+    """A kind llama.cpp b11434 has no drafter for is refused in one line, before anything else is weighed."""
+    if cfg.kind == "domino":
+        raise ValueError("llama.cpp b11434 has no Domino drafter (no GRU correction in its DFlash graph): export "
+                         "a domino drafter --to zlab (SpecForge, SGLang)")
+
+
 def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str | os.PathLike,
           name: str = "blockdraft DFlash drafter", overwrite: bool = False) -> Path:
     """Write the drafter's native tensors `sd` (fc scale folded in) as llama.cpp's DFlash GGUF at
@@ -299,6 +306,7 @@ def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str
     from ...rundir.ownership import record, remove_leftovers, temp_path
     from .gguf_file import check_values, file_bytes, write_file
 
+    check_kind(cfg)
     src = Path(target_gguf)
     if not src.is_file():
         raise ValueError(f"--target-gguf {src}: no such file")

@@ -40,6 +40,9 @@ def _kind_fields(cfg: DrafterConfig) -> dict:
         from .gguf import LILICORR_REFUSED
 
         raise ValueError(LILICORR_REFUSED.format(fmt="speculators", reader="speculators 0.9.0"))
+    if cfg.kind == "domino":
+        raise ValueError("speculators 0.9.0 has no Domino drafter (its issue #773 is open): export a domino "
+                         "drafter --to zlab (SpecForge, SGLang)")
     if cfg.kind == "dspark":
         return {k: v for k, v in dspark_fields(cfg).items() if k != "sample_from_anchor"}  # written above
     if cfg.kind == "dflash2":

@@ -19,25 +19,28 @@ llama.cpp's converter `DSparkModel` and vLLM read; the converter takes a missing
 for true), and the head fields again inside `dflash_config`, where SpecForge 0.2.0's
 DSparkDraftModel reads them (`SPECFORGE_DSPARK`; it reads nothing at the top, and without them builds
 neither head and drops their weights). Reading takes the top-level fields and refuses a config whose
-two copies disagree.
+two copies disagree. Domino is `["DominoDraftModel"]` with projector_type "domino", emb_dim,
+gru_hidden_dim, pure_draft_prefix_len and shift_label false inside `dflash_config` (SpecForge 0.2.0's
+DominoDraftModel reads them there), its weights under SpecForge's names (`prefix_gru.*`, `embed_proj.*`).
 """
 
 from __future__ import annotations
 
 from ...config import SLIDING, WINDOW_QUERY, DrafterConfig
-from .base import (DFLASH2_ARCH, DFLASH2_FIELDS, DSPARK_ARCHS, LILICORR_ARCH, OWN_KEY, Export, Format, agree_kind,
-                   dflash2_fields, dspark_fields, engine_head_weights, layer_kwargs, lilicorr_fields, own_fields,
-                   qwen3_fields, read_dflash2, read_dspark, read_lilicorr, read_own)
+from .base import (DFLASH2_ARCH, DFLASH2_FIELDS, DOMINO_ARCH, DSPARK_ARCHS, LILICORR_ARCH, OWN_KEY, Export, Format,
+                   agree_kind, dflash2_fields, domino_fields, dspark_fields, engine_head_weights, layer_kwargs,
+                   lilicorr_fields, own_fields, qwen3_fields, read_dflash2, read_domino, read_dspark, read_lilicorr,
+                   read_own)
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": DFLASH2_ARCH,
-                 "lilicorr": LILICORR_ARCH}
+                 "lilicorr": LILICORR_ARCH, "domino": DOMINO_ARCH}
 
 
 def matches(d: dict) -> bool:
     # speculators' own save_pretrained names the same architecture: its type field decides
     if d.get("speculators_model_type"):
         return False
-    known = {"DFlashDraftModel", DFLASH2_ARCH, LILICORR_ARCH, *DSPARK_ARCHS}
+    known = {"DFlashDraftModel", DFLASH2_ARCH, LILICORR_ARCH, DOMINO_ARCH, *DSPARK_ARCHS}
     return "dflash_config" in d or bool(known.intersection(d.get("architectures") or []))
 
 
@@ -46,6 +49,8 @@ def kind_of(d: dict) -> str:
     archs = d.get("architectures") or []
     if LILICORR_ARCH in archs or "lilicorr_enabled" in (d.get("dflash_config") or {}):
         return "lilicorr"
+    if DOMINO_ARCH in archs or (d.get("dflash_config") or {}).get("projector_type") == "domino":
+        return "domino"
     if DFLASH2_ARCH in archs or any(k in (d.get("dflash_config") or {}) for k in DFLASH2_FIELDS):
         return "dflash2"
     if any(a in archs for a in DSPARK_ARCHS) or "markov_rank" in d:
@@ -89,6 +94,8 @@ def write_config(cfg: DrafterConfig, ex: Export) -> dict:
         dc.update(dflash2_fields(cfg))
     if cfg.kind == "lilicorr":  # vLLM reads block_size from dflash_config first (models/lilicorr.py)
         dc.update(lilicorr_fields(cfg), block_size=cfg.block_size)
+    if cfg.kind == "domino":
+        dc.update(domino_fields(cfg))
     d = {"architectures": [ARCHITECTURES[cfg.kind]], **qwen3_fields(cfg), **_causality(cfg),
          "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers, "dflash_config": dc}
     if cfg.kind == "dspark":
@@ -131,7 +138,8 @@ def read_config(d: dict, num_target_layers: int | None = None) -> DrafterConfig:
     # llama.cpp's converter takes a z-lab DSpark config without sample_from_anchor for true
     kind_kw = (read_dspark(d, True, "llama.cpp's converter") if kind == "dspark"
                else read_dflash2({**d, **dc}) if kind == "dflash2"
-               else read_lilicorr(dc) if kind == "lilicorr" else {"kind": "dflash"})
+               else read_lilicorr(dc) if kind == "lilicorr" else read_domino(dc) if kind == "domino"
+               else {"kind": "dflash"})
     if kind == "dspark":
         _same_dspark_fields(d)
     # A directory from z-lab's own tools was trained for its readers' rule: the query window.

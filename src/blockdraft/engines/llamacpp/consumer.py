@@ -54,6 +54,9 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 
 def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
     out = []
+    if cfg.kind == "domino":  # the GGUF writer refuses it first (checkpoint/formats/gguf.py)
+        return [Difference("llama.cpp", False, "llama.cpp b11434 has no Domino drafter (no GRU correction in its "
+                                               "DFlash graph): the export is refused")]
 
     def refuse(what: str) -> None:
         out.append(Difference("llama.cpp", True, what))
@@ -83,7 +86,8 @@ def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
 
 ENGINE = Engine(
     name="llama.cpp", release=f"llama.cpp {LLAMACPP_READ}", formats=(GGUF,),
-    kinds={kind: f"--spec-type {spec}" for kind, spec in SPEC_TYPES.items()}, refused_kinds={"lilicorr": "no LiLiCorr"},
+    kinds={kind: f"--spec-type {spec}" for kind, spec in SPEC_TYPES.items()},
+    refused_kinds={"lilicorr": "no LiLiCorr", "domino": "no Domino drafter in its DFlash graph"},
     capture=llamacpp_capture, capture_rule=("its graph records the layer inputs",
                                             "its graph does not record the layer inputs"),
     capture_check="target capture (llama.cpp)", capture_refused="llama-server cannot run its DFlash drafter",

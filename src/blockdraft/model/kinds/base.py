@@ -15,6 +15,7 @@ from ..layers import DFlashDecoderLayer
 
 Head = Callable[[torch.Tensor], torch.Tensor]  # final-normed rows [s, Hd] -> the target head's logits [s, Vd]
 Probs = Callable[[torch.Tensor], torch.Tensor]  # logits [s, n] -> sampling probabilities [s, n]
+Embed = Callable[[torch.Tensor], torch.Tensor]  # target ids [...] -> the target's raw embedding rows [..., Ht]
 
 
 @dataclass
@@ -33,10 +34,15 @@ class SlotTerms:
     vocabulary's target ids or None. DFlash: the head's logits, nothing added."""
 
     weight = 1.0  # of the added term, against the token loss
+    base_share = 0.0  # lambda: the token loss is (1 - lambda) of the logits' + lambda of the head's alone (Domino)
     reads_label_rows = False  # whether `added` reads the label rows (else the target's argmax is all it takes)
 
     def __init__(self, drafter: nn.Module, head: Head, rows: torch.Tensor | None):
         self.drafter, self.head, self.rows = drafter, head, rows
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[c, Hd] -> the head's logits alone [c, Vd] (what `base_share` weighs)."""
+        return self.head(h)
 
     def logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """[c, Hd], [c] -> the draft logits the token loss compares with the target [c, Vd]."""
@@ -67,6 +73,7 @@ class Kind:
     layer = DFlashDecoderLayer
     terms = SlotTerms
     chained = False  # whether a slot's draft reads the draft before it (DFlash: each slot's own argmax)
+    reads_prefix = False  # whether `draft` takes the block's tokens from the anchor on as `prev` (Domino)
 
     def build(self, drafter: nn.Module) -> None:
         """Add the kind's modules beside the layers (its layer modules come with `layer`)."""
@@ -75,13 +82,23 @@ class Kind:
     def reset_parameters(self, drafter: nn.Module) -> None:
         """Start the kind's own weights where the drafter computes the DFlash function of its backbone."""
 
-    def slot_terms(self, drafter: nn.Module, head: Head, rows: torch.Tensor | None) -> SlotTerms:
+    def slot_terms(self, drafter: nn.Module, head: Head, rows: torch.Tensor | None,
+                   embed: Embed | None = None) -> SlotTerms:
+        """`embed`: the target's embedding, for a kind whose terms read the tokens' rows (Domino)."""
         return self.terms(drafter, head, rows)
 
+    def slot_prev(self, input_ids: torch.Tensor, anchors: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
+        """Flat ids [T], anchors [N], supervised [N, B] -> what `SlotTerms` reads of the tokens before each
+        supervised slot: here the one token before it (the data's, at its label position) [S]."""
+        from ..blocks import label_positions
+
+        return input_ids[label_positions(anchors, supervised.shape[1])[supervised]]
+
     def draft(self, drafter: nn.Module, head: Head, hidden: torch.Tensor, prev: int, rows: torch.Tensor | None,
-              probs: Probs | None, generator: torch.Generator | None) -> Drafted:
+              probs: Probs | None, generator: torch.Generator | None, embed: Embed | None = None) -> Drafted:
         """The drafts of final-normed rows `hidden` [s, Hd] (slots 1.. of the block, or some of them),
-        `prev` the token before the first of them; `probs` None: greedy."""
+        `prev` the token before the first of them (`reads_prefix`: the block's tokens from the anchor up
+        to it); `probs` None: greedy; `embed` the target's embedding (Domino's GRU reads it)."""
         logits = head(hidden)  # [s, Vd]
         V = drafter.config.vocab_size
         if probs is None:

@@ -285,7 +285,8 @@ class LiLiCorr(Kind):
         total = path_loss(cor.scale * start.float(), cor.scale * pairs.float(), at.view(N, S), counted)
         return total / counted.sum().clamp(min=1)
 
-    def draft(self, drafter, head, hidden, prev, rows, probs, generator, lattice: LatticeInputs | None = None):
+    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed=None,
+              lattice: LatticeInputs | None = None):
         """The walk over the block's lattice (sampling: each slot's candidate drawn from the softmax of
         its score row, the distribution verification then uses)."""
         if lattice is None:
