@@ -26,8 +26,9 @@ WINDOW_ANCHOR = "anchor"
 WINDOW_RULES = (WINDOW_QUERY, WINDOW_ANCHOR)
 DEFAULT_WINDOW_RULE = WINDOW_QUERY
 # Drafter kinds (DESIGN.md section 2): the DFlash backbone alone, plus DSpark's Markov and confidence
-# heads, or plus DFlash2's convolutions and candidate selector. Each kind's fields and their defaults
-# (speculators 0.9.0's); a field of another kind must stay unset. The modules are in model/kinds/.
+# heads, DFlash2's convolutions and candidate selector, LiLiCorr's candidate-lattice correlator, or
+# Domino's GRU correction. Each kind's fields and their defaults (speculators 0.9.0's where it has the
+# kind); a field of another kind must stay unset. The modules are in model/kinds/.
 KINDS = ("dflash", "dspark", "dflash2", "lilicorr", "domino")
 # kind fields that may be 0 (off, or "the drafter's width"), per kind
 ZERO_OK = {"dspark": ("markov_rank",), "lilicorr": ("conv_kernel_size", "conv_group_size", "lilicorr_hidden_size"),
