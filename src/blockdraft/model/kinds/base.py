@@ -68,6 +68,18 @@ def full_vocab(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -
     return full.scatter_(1, ids.expand(probs.shape[0], -1) if ids.dim() == 1 else ids, probs)
 
 
+def pick_one(logits: torch.Tensor, rows: torch.Tensor | None, probs: Probs | None, vocab_size: int,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One slot's draft from its logits [1, Vd], for the kinds that walk slot by slot: (target id [1], its
+    confidence [1]: the top probability, known before the draw, (sampling) the distribution drawn from
+    [1, V], else None)."""
+    if probs is None:
+        c, pick = logits.float().softmax(-1).max(-1)
+        return to_target_ids(pick, rows), c, None
+    q = full_vocab(probs(logits), rows, vocab_size)
+    return torch.multinomial(q, 1, generator=generator)[:, 0], q.max(-1).values, q
+
+
 class Kind:
     name = "dflash"
     layer = DFlashDecoderLayer

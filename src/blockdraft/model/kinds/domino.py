@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Drafted, Embed, Kind, SlotTerms, full_vocab, to_target_ids
+from .base import Drafted, Embed, Kind, SlotTerms, pick_one
 
 PAD = -1  # a prefix column past the slot's own prefix
 
@@ -127,12 +127,8 @@ class Domino(Kind):
             logits = base[j:j + 1]
             if len(prefix) + j >= start:
                 logits = logits + correction(drafter, hidden[j:j + 1], state[0]).to(logits.dtype)
-            if probs is None:
-                c, pick = logits.float().softmax(-1).max(-1)
-                tok = to_target_ids(pick, rows)
-            else:
-                q = full_vocab(probs(logits), rows, V)
-                tok, c = torch.multinomial(q, 1, generator=generator)[:, 0], q.max(-1).values
+            tok, c, q = pick_one(logits, rows, probs, V, generator)
+            if q is not None:
                 qs.append(q)
             tokens.append(tok)
             confs.append(c)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Drafted, Kind, SlotTerms, full_vocab, to_target_ids
+from .base import Drafted, Kind, SlotTerms, pick_one
 
 
 class MarkovHead(nn.Module):
@@ -108,12 +108,8 @@ class DSpark(Kind):
             if markov is not None:
                 bias, e = markov(prev_t)
                 logits = logits + bias.to(logits.dtype)
-            if probs is None:
-                c, pick = logits.float().softmax(-1).max(-1)
-                tok = to_target_ids(pick, rows)
-            else:
-                q = full_vocab(probs(logits), rows, V)
-                tok, c = torch.multinomial(q, 1, generator=generator)[:, 0], q.max(-1).values
+            tok, c, q = pick_one(logits, rows, probs, V, generator)
+            if q is not None:
                 qs.append(q)
             if conf_head is not None:  # the head's own estimate, known before this slot's token is drawn
                 c = torch.sigmoid(conf_head(hidden[k:k + 1], e).float())
