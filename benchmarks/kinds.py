@@ -1,7 +1,8 @@
-"""DFlash, DSpark and DFlash2 on SmolLM2 at equal CPU time, from the same start and data.
+"""DFlash, DSpark, DFlash2, Domino and LiLiCorr on SmolLM2 at equal CPU time, from the same start and data.
 
-Each kind starts from the shipped drafter (`--init-drafter default`; DSpark and DFlash2 begin as its
-exact function, `train --kind`), is calibrated on a few steps (seconds per step on the run's own clock,
+Each kind starts from the shipped drafter (`--init-drafter default`; every kind begins as its exact
+function, `train --kind`; LiLiCorr, whose candidates come from the full vocabulary, from the shipped
+weights with the whole head, its full-vocabulary twin, and so does `dflash-full`, its DFlash baseline), is calibrated on a few steps (seconds per step on the run's own clock,
 target forwards included, loading excluded; all kinds first, one after another, so their step costs
 are taken under one load) and then trains for as many steps as fit the budget, on the same rows,
 with the same held-out split. Then, per kind: the held-out tau `train` reports (teacher-forced), and
@@ -30,9 +31,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ablations import step_seconds, train  # noqa: E402  (the same calibrated-budget runs)
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-BASE = ["--init-drafter", "default", "--max-rows", "256", "--eval-every", "100000", "--save-every", "100000",
-        "--no-progress"]
-KINDS = {"dflash": [], "dspark": ["--kind", "dspark"], "dflash2": ["--kind", "dflash2"]}
+BASE = ["--max-rows", "256", "--eval-every", "100000", "--save-every", "100000", "--no-progress"]
+KINDS = {"dflash": [], "dspark": ["--kind", "dspark"], "dflash2": ["--kind", "dflash2"], "domino": ["--kind", "domino"],
+         "lilicorr": ["--kind", "lilicorr"], "dflash-full": []}
+# the drafter each kind starts from: the shipped one, or (FULL) its full-vocabulary twin: LiLiCorr's candidates
+# come from the whole vocabulary (vLLM's rule), so it and its DFlash baseline start from the same weights
+# drafting from all 49,152 tokens instead of the shipped 8,192
+FULL = {"lilicorr", "dflash-full"}
+
+
+def full_vocab_twin(path: Path) -> Path:
+    """The shipped drafter's weights without its draft vocabulary (the target's whole head), written once."""
+    import dataclasses
+
+    from blockdraft.checkpoint.native import load_drafter, save_drafter
+    from blockdraft.model.drafter import DFlashDrafter
+
+    if (path / "config.json").exists():
+        return path
+    d = load_drafter("default")
+    twin = DFlashDrafter(dataclasses.replace(d.config, draft_vocab_size=None), initialize=False)
+    twin.load_state_dict({k: v for k, v in d.state_dict().items() if k != "draft_vocab"})
+    return save_drafter(twin, path)
+
+
+def init_flags(kind: str, out: Path) -> list[str]:
+    return ["--init-drafter", str(full_vocab_twin(out / "full-vocab-init")) if kind in FULL else "default"]
 
 
 def bench(drafters: dict, sets: list[str], n: int, max_new: int, threads: int, cut: float = 0.0) -> dict:
@@ -111,7 +135,7 @@ def plot(results: dict, path: Path) -> None:
     ax[1].bar(names, speed, color="#47a")
     ax[1].axhline(1.0, color="grey", lw=0.8)
     ax[1].set_title("blockdraft generate speedup")
-    fig.suptitle("DFlash, DSpark, DFlash2 on SmolLM2 at equal CPU time from the shipped drafter", fontsize=9)
+    fig.suptitle("the five kinds on SmolLM2 at equal CPU time from the shipped drafter", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -138,11 +162,13 @@ def main() -> None:
     results, per_step = {}, {}
     for kind in kinds:  # calibrated back to back, under one load: the step costs compare
         out = Path(a.out) / kind
-        train(BASE + KINDS[kind] + a.extra.split() + ["--steps", str(a.calibration_steps)], out, a.threads)
+        train(BASE + init_flags(kind, Path(a.out)) + KINDS[kind] + a.extra.split() + ["--steps",
+                                                                                   str(a.calibration_steps)],
+              out, a.threads)
         per_step[kind] = step_seconds(out / "metrics.jsonl")
         print(f"{kind:8} calibrated {per_step[kind]:.2f} s/step", flush=True)
     for kind in kinds:
-        flags = BASE + KINDS[kind] + a.extra.split()
+        flags = BASE + init_flags(kind, Path(a.out)) + KINDS[kind] + a.extra.split()
         out = Path(a.out) / kind
         steps = max(a.calibration_steps, int(a.budget_min * 60 / per_step[kind]))
         wall, summary = train(flags + ["--steps", str(steps), "--eval-every", str(steps)], out, a.threads)
