@@ -2,8 +2,8 @@
 
 Each kind starts from the shipped drafter (`--init-drafter default`; every kind begins as its exact
 function, `train --kind`; LiLiCorr, whose candidates come from the full vocabulary, from the shipped
-weights with the whole head, its full-vocabulary twin, and so does `dflash-full`, its DFlash baseline), is calibrated on a few steps (seconds per step on the run's own clock,
-target forwards included, loading excluded; all kinds first, one after another, so their step costs
+weights with the whole head, its full-vocabulary twin, and so does `dflash-full`, its DFlash baseline),
+is calibrated on a few steps (seconds per step on the run's own clock, target forwards included, loading excluded; all kinds first, one after another, so their step costs
 are taken under one load) and then trains for as many steps as fit the budget, on the same rows,
 with the same held-out split. Then, per kind: the held-out tau `train` reports (teacher-forced), and
 speculative generation against the target's own decoding, interleaved prompt by prompt in one process
