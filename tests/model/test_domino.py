@@ -122,6 +122,24 @@ def test_domino_chain_equals_the_definition_walked_from_the_verified_token(prefi
     assert prefix[1:] != t.head(hidden).argmax(-1).tolist() or prefix_len
 
 
+def test_each_slots_corrected_logits_are_the_definition_whatever_the_slots_before_it():
+    """The loss's slots in block order, with gaps (a slot not supervised) and a next block whose first
+    slot has a longer prefix than the last slot before it, or one it does not extend: every slot's
+    logits are its own prefix's, by the definition."""
+    from blockdraft.model.kinds.domino import PAD
+
+    t = target()
+    d = domino(t)  # block 4: prefixes of 1..3 tokens
+    prefixes = [[5], [5, 9, 2], [3], [5, 9], [5, 9, 8], [7, 7], [7], [2, 4, 1], [2, 4]]
+    prev = torch.tensor([p + [PAD] * (3 - len(p)) for p in prefixes])
+    h = torch.randn(len(prefixes), d.config.hidden_size)
+    terms = d.kind.slot_terms(d, t.head, None, t.embed)
+    with torch.no_grad():
+        got = terms.logits(h, prev)
+    want = torch.stack([corrected(d, t, h[i], p) for i, p in enumerate(prefixes)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # logits of ~10: fp32 sums differ by ~1e-5
+
+
 def test_domino_loss_equals_a_brute_force_sum_over_slots():
     t = target()
     d = domino(t, pure_draft_prefix_len=1)

@@ -75,12 +75,21 @@ class DominoTerms(SlotTerms):
         on = k >= 1 + self.drafter.config.pure_draft_prefix_len
         if not bool(on.any()):
             return base
-        L = int(k.max())
-        seq = _gru_input(self.drafter, self.embed, prev[:, :L].clamp(min=0))  # [c, L, Ht]
-        out = self.drafter.prefix_gru(seq)[0]  # [c, L, G]: out[:, j] has read tokens a..a+j
-        states = out[torch.arange(len(k), device=k.device), (k - 1).clamp(min=0)]
-        add = correction(self.drafter, h, states) * on[:, None]
+        add = correction(self.drafter, h, self._prefix_states(prev, k)) * on[:, None]
         return base + add.to(base.dtype)
+
+    def _prefix_states(self, prev: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """[c, B - 1] prefixes, [c] their lengths -> the GRU state after each [c, G]. The GRU runs once per
+        run of slots whose prefixes extend each other (a block's slots, in order), on the run's longest:
+        its output after j + 1 tokens is the state of every slot of the run with j + 1 tokens, where a
+        GRU per slot would read the block's tokens again for each of its slots."""
+        extends = (k[1:] > k[:-1]) & ((prev[1:] == prev[:-1]) | (prev[:-1] == PAD)).all(-1)
+        first = torch.cat([extends.new_ones(1), ~extends])  # a slot that starts a run
+        run = first.long().cumsum(0) - 1  # [c] each slot's run
+        longest = prev[torch.cat([first[1:], first.new_ones(1)])]  # [runs, B - 1] each run's last slot
+        seq = _gru_input(self.drafter, self.embed, longest[:, :int(k.max())].clamp(min=0))  # [runs, L, Ht]
+        out = self.drafter.prefix_gru(seq)[0]  # [runs, L, G]: out[:, j] has read tokens a..a+j
+        return out[run, (k - 1).clamp(min=0)]
 
 
 class Domino(Kind):
