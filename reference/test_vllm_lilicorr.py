@@ -23,7 +23,7 @@ import torch
 from common import B, save_target, threads, tiny_drafter, tiny_target
 
 from blockdraft.checkpoint.native import save_drafter
-from blockdraft.model.kinds.lilicorr import LatticeInputs, candidates
+from blockdraft.model.kinds.lilicorr import candidates
 
 pytest.importorskip("vllm")
 threads()
@@ -127,6 +127,6 @@ def test_vllm_computes_our_candidates_anchor_scores_and_walk(loaded):
     for i in range(n):
         picks = vllm_walk(v_scores[i])
         want = [int(ids[i, s, j]) for s, j in enumerate(picks)]
-        lattice = LatticeInputs(target.embed, anchor[i] if valid[i] else None)
-        got = drafter.kind.draft(drafter, target.head, rows[i], 0, None, None, None, lattice=lattice)
+        got = drafter.kind.draft(drafter, target.head, rows[i], 0, None, None, None, embed=target.embed,
+                                 anchor=anchor[i] if valid[i] else None)
         assert got.tokens.tolist() == want, (case, i)

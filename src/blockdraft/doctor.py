@@ -362,7 +362,7 @@ def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int 
         # each block's drafts from the training path's rows, read as the kind reads them when it serves
         # (DSpark's and DFlash2's walks start from the anchor's token)
         trained = torch.stack([drafter.kind.draft(drafter, head, hidden[j, 1:], int(seq[0, a]), rows, None, None,
-                                                  embed=target.embed, **_lattice(target, drafter, p, a)).tokens.cpu()
+                                                  embed=target.embed, anchor=_anchor_row(drafter, p, a)).tokens.cpu()
                                for j, a in enumerate(anchors.tolist())])  # [N, B-1]
         want = torch.full_like(trained, -1)  # the text's next tokens; -1 past its end
         for j, a in enumerate(anchors.tolist()):
@@ -374,15 +374,12 @@ def serving_vs_training(target, drafter, ids: torch.Tensor, max_new_tokens: int 
     return served, trained.tolist(), served_len.tolist(), trained_len.tolist()
 
 
-def _lattice(target, drafter, p, a: int) -> dict:
-    """What a whole-block kind (LiLiCorr) drafts with beside the rows: the target's embedding and the
-    context row at a - 1 (one document: every anchor after the first token has one)."""
-    if not getattr(drafter.kind, "whole_block", False):
-        return {}
-    from .model.kinds.lilicorr import LatticeInputs
-
-    row = drafter.context(p.features[a - 1:a].to(drafter.fc.weight.dtype))[0] if a > 0 else None
-    return {"lattice": LatticeInputs(target.embed, row)}
+def _anchor_row(drafter, p, a: int) -> torch.Tensor | None:
+    """The context row at a - 1, which a kind's walk may read (LiLiCorr's anchor; one document: every
+    anchor after the first token has one), computed only for a kind that reads it."""
+    if not drafter.kind.whole_block or a == 0:
+        return None
+    return drafter.context(p.features[a - 1:a].to(drafter.fc.weight.dtype))[0]
 
 
 def check_serving(target, drafter, sample_ids: torch.Tensor) -> Check:

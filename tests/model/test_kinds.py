@@ -195,18 +195,26 @@ def test_each_kind_draws_its_drafts_from_the_distributions_it_reports(kind):
 
     hidden = torch.randn(2, 32)
     g = torch.Generator().manual_seed(5)
+    assert_two_slots_drawn_from(lambda: d.kind.draft(d, head, hidden, 9, None, lambda x: x.float().softmax(-1), g))
+
+
+def assert_two_slots_drawn_from(draft, n: int = 3000) -> tuple[int, dict]:
+    """`draft()` drafting two slots n times: slot 1's tokens are drawn from the q it reports, and slot 2's,
+    given the commonest slot-1 draw, from the q it reports then. Returns that draw and slot 2's q per
+    slot-1 draw."""
     first, second, q_first, q_second = [], {}, None, {}
-    for _ in range(3000):
-        out = d.kind.draft(d, head, hidden, 9, None, lambda x: x.float().softmax(-1), g)
-        a, b = out.tokens.tolist()
-        first.append(a)
-        second.setdefault(a, []).append(b)
-        q_first = out.q[0]
-        q_second[a] = out.q[1]
+    with torch.no_grad():
+        for _ in range(n):
+            out = draft()
+            a, b = out.tokens.tolist()
+            first.append(a)
+            second.setdefault(a, []).append(b)
+            q_first, q_second[a] = out.q[0], out.q[1]
     assert_drawn_from(first, q_first)
     a = max(second, key=lambda k: len(second[k]))  # the commonest first draw, and the second given it
     assert len(second[a]) > 300
     assert_drawn_from(second[a], q_second[a])
+    return a, q_second
 
 
 def assert_drawn_from(tokens: list[int], q: torch.Tensor) -> None:

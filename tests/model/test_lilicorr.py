@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from blockdraft.generate import speculative_generate
-from blockdraft.model.kinds.lilicorr import LatticeInputs, LiLiCorr
+from blockdraft.model.kinds.lilicorr import LiLiCorr
 from blockdraft.train.build import change_kind
 from blockdraft.train.step import Batch, compute_loss, prepare
 from conftest import tiny_rows
-from .test_kinds import assert_drawn_from, dflash, perturb, target
+from .test_kinds import assert_two_slots_drawn_from, dflash, perturb, target
 
 KW = {"plain": dict(lilicorr_candidate_topk=4, lilicorr_factor_dim=8, lilicorr_num_heads=2),
       "conv": dict(lilicorr_candidate_topk=4, lilicorr_factor_dim=8, lilicorr_num_heads=2, conv_kernel_size=2,
@@ -214,18 +214,9 @@ def test_lilicorr_draws_its_drafts_from_the_distributions_it_reports():
     def head(h):
         return h @ W.T
 
-    hidden, lattice = torch.randn(2, 32), LatticeInputs(t.embed, torch.randn(32))
+    hidden, anchor = torch.randn(2, 32), torch.randn(32)
     g = torch.Generator().manual_seed(5)
-    first, second, q_first, q_second = [], {}, None, {}
-    with torch.no_grad():
-        for _ in range(3000):
-            out = d.kind.draft(d, head, hidden, 9, None, lambda x: (x.float() / 4).softmax(-1), g, lattice=lattice)
-            a, b = out.tokens.tolist()
-            first.append(a)
-            second.setdefault(a, []).append(b)
-            q_first, q_second[a] = out.q[0], out.q[1]
-    assert_drawn_from(first, q_first)
-    a = max(second, key=lambda k: len(second[k]))
-    assert len(second[a]) > 300
-    assert_drawn_from(second[a], q_second[a])
+    _, q_second = assert_two_slots_drawn_from(
+        lambda: d.kind.draft(d, head, hidden, 9, None, lambda x: (x.float() / 4).softmax(-1), g, embed=t.embed,
+                             anchor=anchor))
     assert len({tuple(q.tolist()) for q in q_second.values()}) > 1  # slot 2's q follows slot 1's draw

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.kinds.lilicorr import LatticeInputs
 from .acceptance import sampling_probs
 from .lookup import NgramIndex
 
@@ -71,8 +70,7 @@ class DrafterProposer:
         b = block.shape[0]
         embeds = self.target.embed(block).to(dt)
         # a kind that drafts the block at once (LiLiCorr's lattice) is cut after all of it is drafted
-        whole = getattr(d.kind, "whole_block", False)
-        n = b if self.threshold <= 0 or whole else min(b, 1 + FIRST_SLOTS)  # block rows needed so far
+        n = b if self.threshold <= 0 or d.kind.whole_block else min(b, 1 + FIRST_SLOTS)  # block rows needed so far
         # a drafter whose block attention is not causal must see the whole block at once
         rows_run = n if d.causal_in_block else b
         hidden = d.draft_hidden(new_feats.to(dt), new_pos, embeds[:rows_run], anchor_pos, self.cache)
@@ -98,10 +96,8 @@ class DrafterProposer:
         probs = (lambda x: sampling_probs(x, s.temperature, s.top_p)) if s.temperature > 0 else None
         kind = self.drafter.kind
         prev = prefix if kind.reads_prefix else prefix[-1]
-        extra = {}
-        if getattr(kind, "whole_block", False):  # LiLiCorr: the target's embedding and the anchor row
-            extra["lattice"] = LatticeInputs(self.target.embed, self.cache.anchor)
-        out = kind.draft(self.drafter, head, hidden, prev, rows, probs, s.generator, embed=self.target.embed, **extra)
+        out = kind.draft(self.drafter, head, hidden, prev, rows, probs, s.generator, embed=self.target.embed,
+                         anchor=self.cache.anchor)
         return out.tokens, out.q, out.conf
 
 

@@ -101,6 +101,7 @@ class Prepared:
     layout: BlockLayout
     prev: torch.Tensor  # [S] each supervised slot's previous token, the data's (Domino: [S, B - 1] its block prefix)
     host_supervised: torch.Tensor | None = None  # `supervised` on the host (the loss's chunks of whole blocks)
+    input_ids: torch.Tensor | None = None  # [Bz*T] the batch's tokens, flat, on the device
 
 
 @dataclass
@@ -186,7 +187,7 @@ def prepare(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.max_an
     layout = BlockLayout(flat.document_ids, flat.position_ids, anchors_d, B, host_document_ids=host.document_ids,
                          host_anchors=anchors)
     prev = drafter.kind.slot_prev(flat.input_ids, anchors_d, sup_d)  # the tokens before each slot its terms read
-    return Prepared(anchors_d, sup_d, labels, feats, embeds, layout, prev, sup)
+    return Prepared(anchors_d, sup_d, labels, feats, embeds, layout, prev, sup, flat.input_ids)
 
 
 def final_states_supported(target) -> bool:
@@ -220,18 +221,19 @@ def compute_loss(target, drafter, batch: Batch, *, max_anchors: int = DEFAULTS.m
     out = dflash_loss_chunked(hidden[p.supervised], None, p.target_logits, p.supervised, gamma=g, kind=loss,
                               draft_vocab=rows, chunk=loss_chunk_slots(hidden.device, width),
                               sync_metrics=sync_metrics, terms=terms, prev=p.prev, host_supervised=p.host_supervised)
-    return out if not hasattr(drafter.kind, "block_loss") else (out[0] + kind_block_loss(target, drafter, batch, p,
-                                                                                          hidden), out[1])
+    if drafter.kind.block_loss is None:
+        return out
+    return out[0] + kind_block_loss(target, drafter, p, hidden), out[1]
 
 
-def kind_block_loss(target, drafter, batch: Batch, p: Prepared, hidden: torch.Tensor) -> torch.Tensor:
+def kind_block_loss(target, drafter, p: Prepared, hidden: torch.Tensor) -> torch.Tensor:
     """A kind's loss over whole blocks (LiLiCorr's correlator: model/kinds/lilicorr.py), from the drafter's
     rows [N, B, Hd], the data's tokens at a + k and the context row at a - 1 (when in the anchor's document)."""
-    dev, B = hidden.device, drafter.block_size
-    ids = batch.input_ids.reshape(-1).to(dev)
+    B = drafter.block_size
+    ids = p.input_ids
     tokens = ids[slot_token_positions(p.anchors, B).clamp(max=ids.shape[0] - 1)]  # [N, B]
     before = (p.anchors - 1).clamp(min=0)
-    docs = p.layout.document_ids.to(dev)
+    docs = p.layout.document_ids
     valid = (p.anchors > 0) & (docs[before] == docs[p.anchors])
     feats = p.features[before]
     anchor = drafter.context(feats.to(drafter.fc.weight.dtype)) * valid[:, None].to(hidden.dtype)

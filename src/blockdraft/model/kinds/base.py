@@ -86,6 +86,8 @@ class Kind:
     terms = SlotTerms
     chained = False  # whether a slot's draft reads the draft before it (DFlash: each slot's own argmax)
     reads_prefix = False  # whether `draft` takes the block's tokens from the anchor on as `prev` (Domino)
+    whole_block = False  # whether `draft` reads every slot of the block at once (LiLiCorr's lattice)
+    block_loss = None  # a loss over whole blocks beside the slots' (LiLiCorr: `block_loss(drafter, head, ...)`)
 
     def build(self, drafter: nn.Module) -> None:
         """Add the kind's modules beside the layers (its layer modules come with `layer`)."""
@@ -107,10 +109,13 @@ class Kind:
         return input_ids[label_positions(anchors, supervised.shape[1])[supervised]]
 
     def draft(self, drafter: nn.Module, head: Head, hidden: torch.Tensor, prev: int, rows: torch.Tensor | None,
-              probs: Probs | None, generator: torch.Generator | None, embed: Embed | None = None) -> Drafted:
+              probs: Probs | None, generator: torch.Generator | None, embed: Embed | None = None,
+              anchor: torch.Tensor | None = None) -> Drafted:
         """The drafts of final-normed rows `hidden` [s, Hd] (slots 1.. of the block, or some of them),
         `prev` the token before the first of them (`reads_prefix`: the block's tokens from the anchor up
-        to it); `probs` None: greedy; `embed` the target's embedding (Domino's GRU reads it)."""
+        to it); `probs` None: greedy. What a kind may read besides: `embed` the target's embedding
+        (Domino's GRU, LiLiCorr's candidates) and `anchor` the newest context row [Hd], None where there
+        is none yet (LiLiCorr)."""
         logits = head(hidden)  # [s, Vd]
         V = drafter.config.vocab_size
         if probs is None:

@@ -141,7 +141,7 @@ class DFlash2(Kind):
         nn.init.normal_(sel.successor_codebook, std=0.02)
         nn.init.zeros_(sel.hidden_projection.weight)
 
-    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed=None) -> Drafted:
+    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed=None, anchor=None) -> Drafted:
         """Greedy walk from the verified token over each slot's K candidates (sampling: a draw from
         the candidates' scores)."""
         sel, K, V = drafter.candidate_selector, drafter.config.selector_top_k, drafter.config.vocab_size

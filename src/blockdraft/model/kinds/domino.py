@@ -123,7 +123,8 @@ class Domino(Kind):
         full = torch.where(mine[None], tok[:, None, :], torch.full_like(tok[:, None, :], PAD))  # [N, B, B - 1]
         return full[supervised]
 
-    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed: Embed | None = None) -> Drafted:
+    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed: Embed | None = None,
+              anchor=None) -> Drafted:
         """Left to right from the block's tokens before the first row (`prev`: the anchor's token, or a
         list of the tokens from the anchor on): each slot's correction reads the drafts before it."""
         prefix = [int(prev)] if isinstance(prev, int) or torch.is_tensor(prev) and prev.dim() == 0 else list(prev)

@@ -96,7 +96,7 @@ class DSpark(Kind):
             nn.init.zeros_(drafter.confidence_head.proj.weight)
             nn.init.zeros_(drafter.confidence_head.proj.bias)
 
-    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed=None) -> Drafted:
+    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed=None, anchor=None) -> Drafted:
         """Left to right: each slot's bias reads the draft before it (the verified token first)."""
         markov, conf_head = _markov(drafter), _confidence(drafter)
         base = head(hidden)  # [s, Vd]

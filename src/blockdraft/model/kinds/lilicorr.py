@@ -40,8 +40,6 @@ gradient (the backbone learns from the token loss).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,14 +52,6 @@ NUM_FEATURES = 5
 # rank r's start embedding on channel r: large beside a token embedding (entries << 1 in trained LMs),
 # so after the output norm each candidate's row is its rank channel plus a residual ~|e| sqrt(h) / 100
 RANK_START = 100.0
-
-
-class LatticeInputs(NamedTuple):
-    """What the walk reads beside the drafter's rows: the target's embedding (ids -> [..., Ht]) and
-    the anchor context row [Hd] (None: no accepted context row yet)."""
-
-    embed: Callable[[torch.Tensor], torch.Tensor]
-    anchor: torch.Tensor | None
 
 
 class PlainMLP(nn.Module):
@@ -285,17 +275,17 @@ class LiLiCorr(Kind):
         total = path_loss(cor.scale * start.float(), cor.scale * pairs.float(), at.view(N, S), counted)
         return total / counted.sum().clamp(min=1)
 
-    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed=None,
-              lattice: LatticeInputs | None = None):
-        """The walk over the block's lattice (sampling: each slot's candidate drawn from the softmax of
-        its score row, the distribution verification then uses)."""
-        if lattice is None:
-            raise ValueError("a LiLiCorr drafter drafts with the target's embedding and its anchor row")
+    def draft(self, drafter, head, hidden, prev, rows, probs, generator, embed=None, anchor=None):
+        """The walk over the block's lattice, from the anchor row (None: no accepted context row yet;
+        sampling: each slot's candidate drawn from the softmax of its score row, the distribution
+        verification then uses)."""
+        if embed is None:
+            raise ValueError("a LiLiCorr drafter drafts with the target's embedding of its candidates")
         cor, V = drafter.lilicorr, drafter.config.vocab_size
         ids, logp = candidates(head, hidden, cor.topk)  # [S, K] x2
-        anchor = lattice.anchor if lattice.anchor is not None else hidden.new_zeros(hidden.shape[-1])
-        valid = torch.tensor([lattice.anchor is not None], device=hidden.device)
-        start, pairs = cor.scores(lattice.embed(ids)[None], logp[None], hidden[None], anchor[None], valid)
+        valid = torch.tensor([anchor is not None], device=hidden.device)
+        row = anchor if anchor is not None else hidden.new_zeros(hidden.shape[-1])
+        start, pairs = cor.scores(embed(ids)[None], logp[None], hidden[None], row[None], valid)
         start, pairs = cor.scale * start[0].float(), cor.scale * pairs[0].float()
         tokens, qs, confs, j = [], [], [], None
         for s in range(hidden.shape[0]):
