@@ -1,8 +1,8 @@
 """DFlash, DSpark, DFlash2, Domino and LiLiCorr on SmolLM2 at equal CPU time, from the same start and data.
 
 Each kind starts from the shipped drafter (`--init-drafter default`; every kind begins as its exact
-function, `train --kind`; LiLiCorr, whose candidates come from the full vocabulary, from the shipped
-weights with the whole head, its full-vocabulary twin, and so does `dflash-full`, its DFlash baseline),
+function, `train --kind`; Domino and LiLiCorr, which score the full vocabulary, from the shipped
+weights with the whole head, its full-vocabulary twin, and so does `dflash-full`, their DFlash baseline),
 is calibrated on a few steps (seconds per step on the run's own clock, target forwards included, loading excluded; all kinds first, one after another, so their step costs
 are taken under one load) and then trains for as many steps as fit the budget, on the same rows,
 with the same held-out split. Then, per kind: the held-out tau `train` reports (teacher-forced), and
@@ -34,10 +34,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 BASE = ["--max-rows", "256", "--eval-every", "100000", "--save-every", "100000", "--no-progress"]
 KINDS = {"dflash": [], "dspark": ["--kind", "dspark"], "dflash2": ["--kind", "dflash2"], "domino": ["--kind", "domino"],
          "lilicorr": ["--kind", "lilicorr"], "dflash-full": []}
-# the drafter each kind starts from: the shipped one, or (FULL) its full-vocabulary twin: LiLiCorr's candidates
-# come from the whole vocabulary (vLLM's rule), so it and its DFlash baseline start from the same weights
-# drafting from all 49,152 tokens instead of the shipped 8,192
-FULL = {"lilicorr", "dflash-full"}
+# the drafter each kind starts from: the shipped one, or (FULL) its full-vocabulary twin: Domino's embedding
+# projection has a row per target token (SpecForge's layout) and LiLiCorr's candidates come from the whole
+# vocabulary (vLLM's rule), so both and their DFlash baseline start from the same weights drafting from all
+# 49,152 tokens instead of the shipped 8,192
+FULL = {"domino", "lilicorr", "dflash-full"}
 
 
 def full_vocab_twin(path: Path) -> Path:
@@ -162,9 +163,9 @@ def main() -> None:
     results, per_step = {}, {}
     for kind in kinds:  # calibrated back to back, under one load: the step costs compare
         out = Path(a.out) / kind
-        train(BASE + init_flags(kind, Path(a.out)) + KINDS[kind] + a.extra.split() + ["--steps",
-                                                                                   str(a.calibration_steps)],
-              out, a.threads)
+        # the last step's evaluation is the run's only one: on one held-out row, it is not what is measured
+        train(BASE + init_flags(kind, Path(a.out)) + KINDS[kind] + a.extra.split() + [
+            "--steps", str(a.calibration_steps), "--max-eval-rows", "1"], out, a.threads)
         per_step[kind] = step_seconds(out / "metrics.jsonl")
         print(f"{kind:8} calibrated {per_step[kind]:.2f} s/step", flush=True)
     for kind in kinds:
