@@ -114,9 +114,9 @@ def record(case, out, tau, per_pos, identical_target, identical_ours, n):
 
 
 # "committed": the bundled drafter's directory as committed (`save_drafter`'s layout, which `train`
-# writes), served as it is, without `convert` (bf16, its draft vocabulary's head rows included)
-CASES = [("shipped", "committed"), ("query-causal", "speculators"), ("query-bidirectional", "zlab"),
-         ("full-attention", "zlab")]
+# writes), served as it is, without `convert` (bf16, its draft vocabulary's head rows included); the
+# query-bidirectional drafter in z-lab's layout is served by doctor's check (the last test before the kinds)
+CASES = [("shipped", "committed"), ("query-causal", "speculators"), ("full-attention", "zlab")]
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
@@ -167,13 +167,27 @@ def test_vllm_serves_an_anchor_window_drafter_with_the_query_window(setup):
     assert gap(per_pos_query) < gap(per_pos_anchor), (out["accepted_per_pos"], per_pos_query, per_pos_anchor)
 
 
-def test_doctor_checks_the_acceptance_vllm_serves(setup):
-    """`blockdraft doctor --vllm`: the serving engine's acceptance on the user's text against ours."""
-    from blockdraft.engines.vllm.doctor import check_acceptance
+def test_doctor_checks_the_acceptance_vllm_serves(setup, monkeypatch):
+    """`blockdraft doctor --vllm`: the serving engine's acceptance on the user's text against ours. Its
+    engine is this suite's served case for the query-bidirectional drafter in z-lab's layout (doctor
+    exports that layout): vLLM's output is also held to target-only vLLM's, as in the cases above."""
+    from blockdraft.engines.vllm import doctor, job
 
-    _, target, prompts, _ = setup
-    check = check_acceptance(target, smollm2_variants()["query-causal"], torch.tensor([prompts[1]]))
+    tmp, target, prompts, base = setup
+    drafter = smollm2_variants()["query-bidirectional"]
+    _, found = export_drafter(drafter, tmp / "query-bidirectional-zlab", "zlab")
+    assert not any(f.refuse for f in found)
+    seen, real = [], job.vllm_acceptance
+    monkeypatch.setattr(job, "vllm_acceptance", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    check = doctor.check_acceptance(target, drafter, prompts)
     assert check.status == "PASS", check.message
+    got = seen[0]  # the check's own figures: vLLM's output and ours (the drafts are not generated twice)
+    out, per_pos = got["served"], [sum(1 for a in got["accepted"] if a - 1 > k) for k in range(15)]
+    same_target = sum(a == b for a, b in zip(out["tokens"], base["tokens"]))
+    record("query-bidirectional/zlab", out, got["tau"], per_pos, same_target,
+           sum(a == b for a, b in zip(out["tokens"], got["tokens"])), len(prompts))
+    assert same_target == len(prompts)
+    assert sum(per_pos) >= 20
 
 
 # --------------------------------------------------------------------------- the drafter kinds

@@ -146,6 +146,36 @@ def test_greedy_check_catches_a_broken_acceptance(monkeypatch):
     assert doctor.check_greedy(t, d, ids).status == "FAIL"
 
 
+def vllm_standin(t, d, prompts, change):
+    """run_job's stand-in for vLLM: serves what speculative_generate does on each prompt, then `change`s it."""
+    rs = [spec.speculative_generate(t, d, torch.tensor([p]), max_new_tokens=96, stop_token_ids=[]) for p in prompts]
+    return change({"tokens": [r.tokens for r in rs], "accepted": sum(a - 1 for r in rs for a in r.accepted),
+                   "drafts": sum(len(r.accepted) for r in rs)})
+
+
+@pytest.mark.parametrize("change,status", [
+    (lambda out: out, "PASS"),
+    (lambda out: {**out, "tokens": [out["tokens"][0], out["tokens"][1][:-1] + [out["tokens"][1][-1] + 1]]}, "FAIL"),
+    (lambda out: {**out, "accepted": out["accepted"] + out["drafts"] // 5}, "FAIL")])
+def test_vllm_acceptance_check_holds_every_prompts_output_and_the_mean_acceptance(monkeypatch, tmp_path, change,
+                                                                                status):
+    """`doctor --vllm` on several prompts: one output that differs, or vLLM's acceptance 5% off ours over
+    all of them, fails (the real engine: reference/test_vllm.py)."""
+    import blockdraft.target
+    from blockdraft.checkpoint import native
+    from blockdraft.engines import exports
+    from blockdraft.engines.vllm import doctor as vllm_doctor, job
+
+    t, d, ids = setup()
+    prompts = [ids[0, :20].tolist(), ids[0, 5:40].tolist()]
+    monkeypatch.setattr(native, "default_verifier", lambda name: str(tmp_path))
+    monkeypatch.setattr(blockdraft.target, "stop_token_ids", lambda tokenizer: [])  # the tiny target has none
+    monkeypatch.setattr(exports, "export_drafter", lambda *a, **k: (tmp_path, []))
+    monkeypatch.setattr(job, "run_job", lambda spec_job, workdir: vllm_standin(t, d, spec_job["prompts"], change))
+    check = vllm_doctor.check_acceptance(t, d, prompts)
+    assert check.status == status, check.message
+
+
 def test_data_check_catches_user_tokens_in_the_loss(monkeypatch, tmp_path, smollm2_tokenizer):
     from blockdraft.target import TargetModel
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from ...checks import FAIL, PASS, WARN, Check
 
 
@@ -35,10 +33,12 @@ def check_engine_features(target) -> Check:
                  f"({how}; by {source})")
 
 
-def check_acceptance(target, drafter, sample_ids: torch.Tensor) -> Check:
+def check_acceptance(target, drafter, sample_ids) -> Check:
+    """vLLM's acceptance and output against blockdraft's on the sample's rows (a [N, P] tensor or N lists of
+    token ids; each at most 256 tokens long)."""
     from .job import vllm_acceptance
 
-    got = vllm_acceptance(target, drafter, sample_ids[:, :256])
+    got = vllm_acceptance(target, drafter, [list(row)[:256] for row in sample_ids])
     ok = abs(got["vllm_tau"] - got["tau"]) <= 0.05 * got["tau"] and got["identical"]
     msg = (f"vLLM accepted {got['vllm_tau']:.2f} tokens per step, blockdraft {got['tau']:.2f}; "
            f"outputs {'identical' if got['identical'] else 'DIFFER'}")

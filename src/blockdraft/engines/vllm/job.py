@@ -258,25 +258,31 @@ def run_job(job: dict, workdir: Path, name: str = "job", timeout: float = 1800, 
         raise err
 
 
-def vllm_acceptance(target, drafter, ids, max_new_tokens: int = 96) -> dict:
-    """vLLM serving this drafter (its z-lab export) on `ids` [1, P] against speculative_generate."""
+def vllm_acceptance(target, drafter, prompts, max_new_tokens: int = 96) -> dict:
+    """vLLM serving this drafter (its z-lab export) on `prompts` (token-id rows) against speculative_generate,
+    both over all the prompts: each one's tau (committed tokens per verify step), whether every output is
+    the same, vLLM's own output (`served`), and ours (`tokens`, and `accepted`: each verify step's count)."""
+    import torch
+
     from ...checkpoint.native import default_verifier
     from ..exports import export_drafter
     from ...generate import speculative_generate
     from ...target import stop_token_ids
 
-    res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens,
-                               stop_token_ids=stop_token_ids(target.tokenizer))
+    prompts = [[int(t) for t in p] for p in prompts]
+    ours = [speculative_generate(target, drafter, torch.tensor([p]), max_new_tokens=max_new_tokens,
+                                 stop_token_ids=stop_token_ids(target.tokenizer)) for p in prompts]
+    steps = [a for r in ours for a in r.accepted]
     verifier = default_verifier(drafter.config.target_name)
     if verifier is None:
         raise ValueError("vLLM needs the target's local directory; the drafter names none it can find")
     with tempfile.TemporaryDirectory() as tmp:
         path, _ = export_drafter(drafter, Path(tmp) / "zlab", "zlab", verifier=verifier, allow_mismatch=True)
         out = run_job({"target": verifier, "drafter": str(path), "num_speculative_tokens": drafter.block_size - 1,
-                       "prompts": [ids[0].tolist()], "max_tokens": max_new_tokens}, Path(tmp))
-    return {"vllm_tau": 1 + out["accepted"] / max(1, out["drafts"]), "tau": res.tau,
-            "identical": out["tokens"][0] == res.tokens}
-
+                       "prompts": prompts, "max_tokens": max_new_tokens}, Path(tmp))
+    tokens = [r.tokens for r in ours]
+    return {"vllm_tau": 1 + out["accepted"] / max(1, out["drafts"]), "tau": sum(steps) / max(1, len(steps)),
+            "identical": out["tokens"] == tokens, "served": out, "tokens": tokens, "accepted": steps}
 
 if __name__ == "__main__":
     Path(sys.argv[2]).write_text(json.dumps(serve(json.loads(Path(sys.argv[1]).read_text()))))
