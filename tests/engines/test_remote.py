@@ -24,7 +24,10 @@ import torch
 
 if not os.environ.get("BLOCKDRAFT_REQUIRE_MOONCAKE"):  # CI runs them always; elsewhere they need the system's
     pytest.importorskip("hs_connectors")           # libibverbs.so.1 (Debian: libibverbs1) for Mooncake's import
-    pytest.importorskip("mooncake.store")
+    try:  # a missing libibverbs.so.1 is an ImportError, not ModuleNotFoundError: importorskip (pytest 9) raises it
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Mooncake's store does not import here: {e}", allow_module_level=True)
 
 from safetensors.torch import save_file  # noqa: E402
 
