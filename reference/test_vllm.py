@@ -94,8 +94,12 @@ def generate_ours(target, drafter, prompts):
                                    stop_token_ids=stop_token_ids(target.tokenizer))
         tokens.append(res.tokens)
         steps += res.accepted
-    per_pos = [sum(1 for a in steps if a - 1 > k) for k in range(15)]
-    return tokens, sum(steps) / len(steps), per_pos
+    return tokens, sum(steps) / len(steps), accepted_per_pos(steps)
+
+
+def accepted_per_pos(steps) -> list[int]:
+    """Per draft position k, the verify steps that accepted a draft there (each step's count is 1 + drafts)."""
+    return [sum(1 for a in steps if a - 1 > k) for k in range(15)]
 
 
 def vllm_tau(out: dict) -> float:
@@ -182,7 +186,7 @@ def test_doctor_checks_the_acceptance_vllm_serves(setup, monkeypatch):
     check = doctor.check_acceptance(target, drafter, prompts)
     assert check.status == "PASS", check.message
     got = seen[0]  # the check's own figures: vLLM's output and ours (the drafts are not generated twice)
-    out, per_pos = got["served"], [sum(1 for a in got["accepted"] if a - 1 > k) for k in range(15)]
+    out, per_pos = got["served"], accepted_per_pos(got["accepted"])
     same_target = sum(a == b for a, b in zip(out["tokens"], base["tokens"]))
     record("query-bidirectional/zlab", out, got["tau"], per_pos, same_target,
            sum(a == b for a, b in zip(out["tokens"], got["tokens"])), len(prompts))

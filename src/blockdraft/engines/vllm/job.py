@@ -284,5 +284,6 @@ def vllm_acceptance(target, drafter, prompts, max_new_tokens: int = 96) -> dict:
     return {"vllm_tau": 1 + out["accepted"] / max(1, out["drafts"]), "tau": sum(steps) / max(1, len(steps)),
             "identical": out["tokens"] == tokens, "served": out, "tokens": tokens, "accepted": steps}
 
+
 if __name__ == "__main__":
     Path(sys.argv[2]).write_text(json.dumps(serve(json.loads(Path(sys.argv[1]).read_text()))))
