@@ -4,8 +4,9 @@ or without a DFlash drafter, and vLLM's own speculative-decoding counters.
     python -m blockdraft.engines.vllm.job JOB.json OUT.json
 
 JOB: {"target": DIR, "drafter": DIR or null, "num_speculative_tokens": B - 1, "prompts": [[ids]],
-"max_tokens": n, and optionally "dtype" (default float32) and "memory" (vLLM's share of each GPU, or of
-the node on a CPU; default on a CPU: the KV space the target needs)}. OUT: {"tokens": [[ids]], "drafts", "accepted", "accepted_per_pos", "load_s",
+"max_tokens": n, and optionally "dtype" (default float32), "memory" (vLLM's share of each GPU, or of
+the node on a CPU; default on a CPU: the KV space the target needs) and "enforce_eager" (vLLM's flag: no
+compilation, a start minutes shorter)}. OUT: {"tokens": [[ids]], "drafts", "accepted", "accepted_per_pos", "load_s",
 "generate_s"}. The engine call is the one a user serves a drafter with:
 `LLM(target, speculative_config={"method": "dflash", "model": DIR, "num_speculative_tokens": B - 1})`.
 """
@@ -150,7 +151,8 @@ def serve(job: dict) -> dict:
         size = {"kv_cache_memory_bytes": cpu_kv_bytes(job["target"], 2048, 0, 4)}
     t0 = time.perf_counter()
     llm = LLM(model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=2048, seed=0,
-              speculative_config=spec, disable_log_stats=False, **size)
+              speculative_config=spec, disable_log_stats=False, enforce_eager=bool(job.get("enforce_eager")),
+              **size)
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
