@@ -4,7 +4,12 @@
 # converts the SmolLM2 target into the local cache the reference environments read.
 #   MAIN_PYTHON   the project's interpreter (default .venv/bin/python), used to fill the cache
 #   REFERENCE_RESULTS  where the vLLM figures are written (default runs/reference-vllm.json)
+# bash reference/run.sh [all|vllm|others]: all (the default) runs the vLLM files and, beside them at the lowest
+# priority, the others (speculators, dflash, SpecForge, Model-Optimizer; llama.cpp; the real chat templates);
+# vllm or others runs that part alone (.ci/run starts the others as soon as their environments are built).
 set -euo pipefail
+PART="${1:-all}"
+case "$PART" in all|vllm|others) ;; *) echo "usage: bash reference/run.sh [all|vllm|others]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 bash reference/setup.sh
@@ -19,11 +24,11 @@ export REFERENCE_RESULTS="${REFERENCE_RESULTS:-$ROOT/runs/reference-vllm.json}"
 mkdir -p "$(dirname "$REFERENCE_RESULTS")"
 BASE="${TMPDIR:-/tmp}/blockdraft-reference-$$"
 mkdir -p "$BASE"
-# The vLLM part leaves much of the second core idle (an engine's start is mostly one thread: about 1.2
-# cores in all over the served cases' starts). The other parts (speculators, dflash, SpecForge and
-# Model-Optimizer; llama.cpp; the real chat templates) run beside it at the lowest priority, in that
-# order, and take what it leaves; their output follows the vLLM part's. Each part's exit status counts.
-beside() {
+# The vLLM part leaves much of the second core idle (an engine's start is mostly one thread: the vLLM part
+# left 29% of the two cores idle over its 28 minutes, vmstat). The other parts run beside it at the lowest
+# priority, in the order below, and take what it leaves; their output follows the vLLM part's. Each part's
+# failure fails the run.
+others() {
   .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --durations=8 --basetemp="$BASE/spec" -rs \
     reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py reference/test_modelopt.py \
     || echo "reference part failed: speculators, dflash, SpecForge, Model-Optimizer" >> "$BASE/failed"
@@ -34,16 +39,25 @@ beside() {
     --durations=4 --basetemp="$BASE/templates" -rs reference/test_templates.py \
     || echo "reference part failed: the real chat templates" >> "$BASE/failed"
 }
-(renice -n 19 -p "$BASHPID" >/dev/null && beside) > "$BASE/beside.log" 2>&1 &  # its children inherit the priority
-BESIDE=$!
-trap 'pkill -P "$BESIDE" 2>/dev/null || true; kill "$BESIDE" 2>/dev/null || true' EXIT
-.venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
-  reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_nodes.py reference/test_vllm_capture.py \
-  reference/test_vllm_parsers.py reference/test_vllm_lilicorr.py \
-  || echo "reference part failed: vLLM" >> "$BASE/failed"
-wait "$BESIDE" || true
-trap - EXIT
-echo "--- the parts run beside vLLM's (speculators ... Model-Optimizer; llama.cpp; chat templates) ---"
-cat "$BASE/beside.log"
+vllm() {
+  .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
+    reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_nodes.py reference/test_vllm_capture.py \
+    reference/test_vllm_parsers.py reference/test_vllm_lilicorr.py \
+    || echo "reference part failed: vLLM" >> "$BASE/failed"
+}
+if [ "$PART" = others ]; then
+  others
+elif [ "$PART" = vllm ]; then
+  vllm
+else
+  (renice -n 19 -p "$BASHPID" >/dev/null && others) > "$BASE/others.log" 2>&1 &  # its children inherit the priority
+  OTHERS=$!
+  trap 'pkill -P "$OTHERS" 2>/dev/null || true; kill "$OTHERS" 2>/dev/null || true' EXIT
+  vllm
+  wait "$OTHERS" || true
+  trap - EXIT
+  echo "--- the parts run beside vLLM's (speculators ... Model-Optimizer; llama.cpp; chat templates) ---"
+  cat "$BASE/others.log"
+fi
 if [ -f "$BASE/failed" ]; then cat "$BASE/failed"; rm -rf "$BASE"; exit 1; fi
 rm -rf "$BASE"
