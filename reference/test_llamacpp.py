@@ -50,7 +50,8 @@ from blockdraft.target import TargetModel, stop_token_ids
 from blockdraft.target.files import target_gguf
 from common import smollm2_kinds
 
-torch.set_num_threads(int(os.environ.get("REFERENCE_THREADS", "2")))
+THREADS = int(os.environ.get("REFERENCE_THREADS", "2"))  # torch's and llama-server's (reference/run.sh: 1 beside vLLM)
+torch.set_num_threads(THREADS)
 ROOT = Path(__file__).resolve().parents[1]
 PER_SET, MAX_TOKENS = 3, 128
 MIN_ACCEPTED = 150  # accepted drafts over the prompts (the shipped drafter gives ~270)
@@ -65,6 +66,16 @@ def record(**figures) -> None:
     if path:
         p = Path(path).with_name("reference-llamacpp.json")
         p.write_text(json.dumps(RESULTS, indent=1) + "\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def llama_threads():
+    """Every llama-server of this file (doctor's included) runs on THREADS threads: two threads at the lowest
+    priority, beside the vLLM part, wait on each other at every op while one of them has no core."""
+    real = llamacpp.serve
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llamacpp, "serve", lambda *a, **k: real(*a, **{**k, "threads": THREADS}))
+        yield
 
 
 @pytest.fixture(scope="module")
