@@ -29,6 +29,10 @@ mkdir -p "$BASE"
 # priority, in the order below, and take what it leaves; their output follows the vLLM part's. Each part's
 # failure fails the run.
 others() {
+  # at a lowered priority (beside the vLLM part, or as .ci/run starts it), one thread each (torch, llama-server):
+  # a team of two there stalls at every op while one of its threads has no core (seen: SpecForge's part used
+  # 10 CPU minutes at two threads without finishing; at one it took 5.0 minutes beside the vLLM part)
+  if [ "$(nice)" -gt 0 ]; then export REFERENCE_THREADS="${REFERENCE_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
   .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --durations=8 --basetemp="$BASE/spec" -rs \
     reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py reference/test_modelopt.py \
     || echo "reference part failed: speculators, dflash, SpecForge, Model-Optimizer" >> "$BASE/failed"
@@ -50,10 +54,7 @@ if [ "$PART" = others ]; then
 elif [ "$PART" = vllm ]; then
   vllm
 else
-  # one thread each (torch, llama-server): a team of two at the lowest priority stalls at every op while one
-  # of its threads has no core (seen: SpecForge's part took 10 CPU minutes for what takes 4 alone)
-  (renice -n 19 -p "$BASHPID" >/dev/null && export REFERENCE_THREADS=1 OMP_NUM_THREADS=1 && others) \
-    > "$BASE/others.log" 2>&1 &  # its children inherit the priority
+  (renice -n 19 -p "$BASHPID" >/dev/null && others) > "$BASE/others.log" 2>&1 &  # its children inherit the priority
   OTHERS=$!
   trap 'pkill -P "$OTHERS" 2>/dev/null || true; kill "$OTHERS" 2>/dev/null || true' EXIT
   vllm
