@@ -56,6 +56,26 @@ def test_multi_turn_order_and_content_parts(write_jsonl):
                       {"role": "user", "content": "d"}, {"role": "assistant", "content": ""}]]
 
 
+IMAGE_TURN = {"messages": [
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                 {"type": "text", "text": "What is in this picture?"}]},
+    {"role": "assistant", "content": "A cat."},
+]}
+
+
+def test_an_image_part_is_refused_in_one_line_or_skipped_and_counted(write_jsonl):
+    """Drafters are trained for the target's text decoder, on text: a record with an image part is bad
+    input (named by file and line), which --skip-bad-lines skips and counts."""
+    path = write_jsonl([OPENAI, IMAGE_TURN])
+    with pytest.raises(ValueError) as e:
+        load_conversations(path)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{path.name}:2: message 0 holds a 'image_url' part" in msg, msg
+    assert "trains on text alone" in msg and "--skip-bad-lines" in msg, msg
+    convs, stats = load_conversations(path, skip_bad_lines=True)
+    assert convs == [EXPECTED] and stats == LoadStats(read=2, kept=1, bad_lines=1, no_assistant=0)
+
+
 def test_blank_lines_are_ignored_and_not_counted(write_jsonl):
     convs, stats = load_conversations(write_jsonl(["", OPENAI, "   ", SHAREGPT, ""]))
     assert len(convs) == 2 and stats.read == 2

@@ -9,7 +9,8 @@ Two record schemas are understood and normalised to one form, a list of
 
 Role names are matched case-insensitively through `ROLES` (ShareGPT's human/gpt/chatgpt/
 bard/bing included). Content may be a string, ``None`` (read as "") or a list of OpenAI
-text parts (``{"type": "text", "text": ...}``), which are joined.
+text parts (``{"type": "text", "text": ...}``), which are joined. A part of another type (an image,
+audio, video) makes the record bad input: drafters are trained for a target's text decoder, on text.
 
 What thinking, tool-calling models write is kept as the OpenAI and Hugging Face conventions write
 it, for the target's chat template to render: an assistant turn's reasoning (``reasoning_content``,
@@ -97,6 +98,9 @@ def _text(content, index: int) -> str:
         for part in content:
             if isinstance(part, str):
                 parts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") != "text":  # image_url, input_audio, video...
+                raise BadRecord(f"message {index} holds a {str(part['type'])[:40]!r} part: blockdraft trains on text "
+                                "alone (a drafter for the target's text decoder)")
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
