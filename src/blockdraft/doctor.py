@@ -472,24 +472,45 @@ def report(checks: list[Check], as_json: bool = False) -> str:
     return "\n".join(lines)
 
 
+def target_check(e: ValueError, debug: bool = False) -> Check:
+    """The FAIL of a target that did not load (target.classes.TargetLoadError: its cause) or loaded as
+    something blockdraft cannot run (the reason): named `target`, the step that failed."""
+    from .target.classes import TargetLoadError
+
+    if debug:
+        traceback.print_exception(e)
+    if isinstance(e, TargetLoadError):
+        import transformers
+
+        return Check("target", FAIL, str(e), f"check that transformers {transformers.__version__} has this model's "
+                     "class and that the directory holds its config.json and weights; --debug for the traceback")
+    return Check("target", FAIL, str(e), "a target is a transformers causal LM (or a wrapper of one) with its "
+                 "tokenizer; --debug for the traceback")
+
+
 def doctor_main(target_name: str, drafter_path: str | None, data: str | None, device: str | None, *,
                 vllm: bool = False, llama_cpp: bool = False, target_gguf: str | None = None,
                 debug: bool = False) -> list[Check]:
-    """Load what can be loaded; a checkpoint or target that does not load is itself a FAIL."""
+    """Load what can be loaded; a checkpoint or target that does not load is itself a FAIL, named for
+    the step that failed (the target's, before the checkpoint's, which is read against it)."""
     from .checkpoint import load_drafter
     from .target import TargetModel, target_num_layers
 
     drafter = None
     if drafter_path is not None:
         try:
-            drafter = load_drafter(drafter_path, device=device, num_target_layers=target_num_layers(target_name))
+            num_layers = target_num_layers(target_name)
+        except ValueError as e:
+            return [target_check(e, debug)]
+        try:
+            drafter = load_drafter(drafter_path, device=device, num_target_layers=num_layers)
         except ValueError as e:
             return [Check("checkpoint", FAIL, str(e), "re-export the checkpoint (config.json + model.safetensors)")]
     try:
         ids = None if drafter is None else drafter.config.target_layer_ids
         target = TargetModel.from_pretrained(target_name, layer_ids=ids, device=device)
-    except ValueError as e:
-        return [Check("layer ids", FAIL, str(e), "the checkpoint's target_layer_ids do not fit this target")]
+    except ValueError as e:  # the checkpoint's ids were checked against the target's layer count above
+        return [target_check(e, debug)]
     if target_gguf is None:
         from .target.files import target_gguf as find
 

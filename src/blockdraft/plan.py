@@ -314,10 +314,11 @@ def target_sizes(target_config) -> dict:
     """Parameter counts of a target, from its transformers config (built on the meta device: any
     architecture transformers knows, MoE included)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(target_config)
+    from .target.classes import auto_class
+
+    with torch.device("meta"):  # a causal LM, or the wrapper of a text decoder (target/classes.py)
+        model = auto_class(target_config).from_config(target_config)
     tc = getattr(target_config, "text_config", None) or target_config
     from .target import find_decoder_layers
 

@@ -1,5 +1,6 @@
 """The target (verifier), one module per concern, lowest first:
 
+  classes.py which transformers class loads a target (a causal LM, or a text decoder's wrapper); TargetLoadError
   family.py  target-family quirks, measured (norm rule, embedding scale, logit transform, packing)
   tiny.py    tiny targets built in code, `random:` presets of real shapes
   layers.py  where the decoder layers and the final norm are; clause 1's "+1" (hidden_states_index)
@@ -13,6 +14,7 @@ The names below are the package's public ones: `from blockdraft.target import Ta
 """
 
 from ..config import default_target_layer_ids
+from .classes import TargetLoadError
 from .files import (EMBEDDED, SPREAD_NAMES, TargetFiles, TargetOptions, cache_dir, default_dtype, is_random,
                     load_tokenizer, pick_device, pick_mask_token, resolve_target, special_ids, spread_kwargs,
                     stop_token_ids, target_num_layers, tokenizer_hash)
@@ -22,7 +24,8 @@ from .load import TargetSource, random_source, resolve_source
 from .model import TargetModel, TargetOutput, is_recording, mask_keep_supported
 
 __all__ = [
-    "EMBEDDED", "SPREAD_NAMES", "TargetFiles", "TargetModel", "TargetOptions", "TargetOutput", "TargetSource",
+    "EMBEDDED", "SPREAD_NAMES", "TargetFiles", "TargetLoadError", "TargetModel", "TargetOptions", "TargetOutput",
+    "TargetSource",
     "cache_dir", "default_dtype", "default_target_layer_ids", "final_norm_of", "find_decoder_layers",
     "hidden_states_index", "is_random", "is_recording", "layer_id_from_hidden_states_index", "load_tokenizer",
     "mask_keep_supported", "pick_device", "pick_mask_token", "random_source", "resolve_source", "resolve_target",

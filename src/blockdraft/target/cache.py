@@ -24,6 +24,7 @@ import torch
 from ..rundir.atomic import check_free_space, nearest_existing
 from ..rundir.locks import locked, pid_alive
 from ..rundir.ownership import owned_by, remove_leftovers, temp_path, write_marker
+from .classes import failed
 
 OWNER = "target-cache"
 _LEGACY_TMP = re.compile(r"^(?P<base>.+)\.tmp(?P<pid>\d+)$")  # what releases before 0.10 left: NAME.tmpPID
@@ -35,11 +36,15 @@ def complete(out: str | os.PathLike) -> bool:
 
 
 def load_gguf(gguf_path: Path):
-    """(model, tokenizer) of a GGUF file, de-quantised to fp32 (slow: every tensor)."""
+    """(model, tokenizer) of a GGUF file, de-quantised to fp32 (slow: every tensor); a TargetLoadError
+    with transformers' cause where it cannot read the file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except Exception as e:  # an architecture transformers' GGUF reader lacks, a damaged file: the target does not load
+        raise failed(gguf_path, e) from e
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config and weights.
     config = model.config
     if hasattr(config, "quantization_config"):

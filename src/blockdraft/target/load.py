@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .classes import auto_class, failed, read_config
 from .files import is_random, load_tokenizer, random_target_tokenizer, resolve_target
 from .layers import final_norm_of, find_decoder_layers, text_config
 from .shard import load_sharded
@@ -27,6 +28,12 @@ class TargetSource:
     name: str
     local_dir: Path | None
     tokenizer: object
+
+    @property
+    def shown(self) -> str:
+        """How a message names it: a directory by its path, the embedded target or a GGUF by its name."""
+        local = self.local_dir
+        return str(local) if local is not None and self.name == local.name else self.name
 
 
 def resolve_source(name_or_path: str | os.PathLike) -> TargetSource:
@@ -53,8 +60,9 @@ def load_model(source: TargetSource, *, dtype: torch.dtype, device: str | None =
                **model_kwargs) -> nn.Module:
     """The transformers model of `source` in `dtype`: a preset built on `device`; files loaded straight
     onto `device` (not staged in host RAM first), or spread by a `device_map` (`model_kwargs`:
-    transformers' from_pretrained keywords). `shard`: sharded by decoder layer over this process
-    group (shard.py)."""
+    transformers' from_pretrained keywords), by the class classes.auto_class picks (a causal LM, or
+    the wrapper of a text decoder). `shard`: sharded by decoder layer over this process group
+    (shard.py). A target that does not load raises classes.TargetLoadError with the cause."""
     if source.local_dir is None:
         return build_random(source, dtype=dtype, device=device, shard=shard)
     spread = spreads(source, model_kwargs)
@@ -62,13 +70,15 @@ def load_model(source: TargetSource, *, dtype: torch.dtype, device: str | None =
         if spread:
             raise ValueError("--target-fsdp and --target-device-map both place the target: use one")
         return load_sharded(source.local_dir, dtype=dtype, device=device or "cpu")
-    from transformers import AutoModelForCausalLM
-
     if not spread:
         model_kwargs.pop("device_map", None)
         if device is not None:
             model_kwargs["device_map"] = {"": str(device)}
-    return AutoModelForCausalLM.from_pretrained(source.local_dir, dtype=dtype, use_safetensors=True, **model_kwargs)
+    auto = auto_class(config := read_config(source.local_dir, source.shown), source.shown)
+    try:
+        return auto.from_pretrained(source.local_dir, config=config, dtype=dtype, use_safetensors=True, **model_kwargs)
+    except Exception as e:  # transformers' own error (missing or mismatched weights, memory) is the cause
+        raise failed(source.shown, e) from e
 
 
 def build_random(source: TargetSource, *, dtype: torch.dtype, device: str | None = None,
@@ -96,12 +106,11 @@ def load_head_only(source: TargetSource, *, dtype: torch.dtype, device: str | No
             layer.to("meta")
         return model
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     local = source.local_dir
-    config = AutoConfig.from_pretrained(local)
+    config = read_config(local, source.shown)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class(config, source.shown).from_config(config)
     files = sorted(local.glob("*.safetensors"))
     names = {n for f in files for n in safe_open(str(f), "pt").keys()}
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -25,7 +25,7 @@ from ..model.linear import few_rows_linear, use_few_rows_linears
 from .family import document_starts, isolates_packed_documents, logit_transform, output_logits
 from .files import default_dtype, pick_mask_token, special_ids, tokenizer_hash
 from .files import head_rows as stored_head_rows
-from .layers import find_decoder_layers, text_config
+from .layers import find_decoder_layers, residual_streams, text_config
 from .load import TargetSource, load_head_only, load_model, random_source, resolve_source, spreads
 
 
@@ -73,6 +73,11 @@ class TargetModel(nn.Module):
         tc = text_config(model)
         self.num_layers = int(tc.num_hidden_layers)
         self.hidden_size = int(tc.hidden_size)
+        if (streams := residual_streams(model.config)) > 1:
+            H = self.hidden_size
+            raise ValueError(f"{name or type(model).__name__}: its decoder layers output {streams} residual streams "
+                             f"per token (hyper-connections: [T, {streams}, {H}]), where a drafter reads one [T, {H}] "
+                             "state per layer (clause 2); blockdraft cannot train for it yet")
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         if layer_ids is None:
             layer_ids = default_target_layer_ids(self.num_layers, num_features)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..process_group import comm_device
+from .classes import auto_class, failed, read_config
 from .layers import find_decoder_layers, text_config
 from .tiny import own_rng
 
@@ -159,23 +160,32 @@ def gathered(layers):
             layer.reshard()
 
 
+def _rank_model(local, dtype: torch.dtype) -> nn.Module:
+    """Rank 0: the target of `local` read onto the host; the other ranks: the same class built on the meta
+    device (classes.auto_class: a causal LM, or the wrapper of a text decoder). A failure on any rank is a
+    TargetLoadError with the cause (each rank reads the same files, so all fail alike)."""
+    import torch.distributed as dist
+
+    auto = auto_class(config := read_config(local), local)
+    try:
+        if dist.get_rank() == 0:
+            return auto.from_pretrained(local, config=config, dtype=dtype, device_map={"": "cpu"},
+                                        use_safetensors=True)
+        with torch.device("meta"):
+            return auto.from_config(config, dtype=dtype)
+    except Exception as e:  # transformers' own error is the cause
+        raise failed(local, e) from e
+
 def load_sharded(local, *, dtype: torch.dtype, device: str, build=None):
     """The transformers model of `local`, sharded by decoder layer over this process group.
     `build(device)` instead makes the model (a random target: rank 0 builds it on its device)."""
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("--target-fsdp shards the target over the ranks of a torchrun launch; run under "
                          "torchrun (or drop --target-fsdp)")
     with own_rng(device):  # loading on the host and building on meta must leave every rank's RNG alike
-        if build is not None:
-            model = build(device if dist.get_rank() == 0 else "meta")
-        elif dist.get_rank() == 0:
-            model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, device_map={"": "cpu"}, use_safetensors=True)
-        else:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(local), dtype=dtype)
+        model = build(device if dist.get_rank() == 0 else "meta") if build is not None else _rank_model(local, dtype)
     model.eval().requires_grad_(False)
     layers = find_decoder_layers(model, int(text_config(model).num_hidden_layers))
     shard_target(model, layers, torch.device(device), comm_device())

@@ -20,6 +20,14 @@ MAMBA_ARCHS = ("nemotron_h", "falcon_h1")
 # families with recurrent layers: a crop undoes their state only from what the cache recorded (generate/recurrent.py)
 RECURRENT_ARCHS = HYBRID_ARCHS + MAMBA_ARCHS
 ALL_ARCHS = ARCHS + HYBRID_ARCHS + MORE_ARCHS + MAMBA_ARCHS
+# families transformers (5.25) ships only as a wrapper around a text decoder, saved and loaded by their
+# image-text-to-text class (target/classes.py): GLM-5-Next, Mistral-Large-4 and Kimi-K2.5 (a DeepSeek-V3
+# text model) as ForConditionalGeneration, and Mistral-4's causal LM, mapped only there. Each is present
+# where this transformers has its class (wrapper_archs)
+WRAPPER_ARCHS = ("mistral4", "kimi_k25", "mistral_large4", "glm5_next")
+WRAPPER_CLASSES = {"mistral4": "Mistral4ForCausalLM", "kimi_k25": "Kimi_K25ForConditionalGeneration",
+                   "mistral_large4": "MistralLarge4ForConditionalGeneration",
+                   "glm5_next": "Glm5NextForConditionalGeneration"}
 # norms that scale by 1 + w (around 0 when random); the gated norm inside a DeltaNet scales by w
 _ONE_PLUS_W = ("gemma2", "gemma3", "qwen3_next", "qwen3_5")
 
@@ -38,9 +46,11 @@ def tiny_config(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 3
     shape = dict(vocab=vocab, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                  intermediate=intermediate, max_positions=max_positions, hd=head_dim or hidden // heads)
     builders = {**_dense_families(tf, common, shape), **_expert_families(tf, common, shape),
-                **_hybrid_families(tf, common, shape)}
+                **_hybrid_families(tf, common, shape), **_wrapper_families(tf, common, shape)}
     if arch not in builders:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS + WRAPPER_ARCHS}")
+    if arch in WRAPPER_CLASSES and not hasattr(tf, WRAPPER_CLASSES[arch]):
+        raise ValueError(f"transformers {tf.__version__} has no {WRAPPER_CLASSES[arch]} (tiny architecture {arch!r})")
     return builders[arch]()
 
 
@@ -127,6 +137,48 @@ def _hybrid_families(tf, common: dict, s: dict) -> dict:
             lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
             mlp_multipliers=[1.2, 0.9], ssm_multipliers=[0.8, 1.1, 0.9, 1.2, 1.0], ssm_in_multiplier=1.1,
             ssm_out_multiplier=0.9, **ids), tf.FalconH1ForCausalLM),
+    }
+
+
+def wrapper_archs() -> tuple[str, ...]:
+    """The WRAPPER_ARCHS whose class this transformers has."""
+    import transformers as tf
+
+    return tuple(a for a in WRAPPER_ARCHS if hasattr(tf, WRAPPER_CLASSES[a]))
+
+
+def _wrapper_families(tf, common: dict, s: dict) -> dict:
+    """Builders of the wrapped text decoders' (config, class), by name: multi-head latent attention with
+    experts after the first layer (all four), a DeepSeek sparse-attention indexer (Mistral-Large-4 and
+    GLM-5-Next), soft-capped logits (Mistral-Large-4), linear-attention layers and hyper-connection
+    residual streams (GLM-5-Next); one-layer vision towers."""
+    hd, hidden, heads = s["hd"], s["hidden"], s["heads"]
+    mla = dict(**{**common, "num_key_value_heads": heads}, moe_intermediate_size=hidden, n_routed_experts=4,
+               num_experts_per_tok=2, kv_lora_rank=16, qk_nope_head_dim=hd, v_head_dim=hd)
+    # the sparse-attention indexer keeps 64 positions, more than a test's sequence: in transformers 5.25 a
+    # forward without a cache or attention mask selects other positions than one with either, once a
+    # sequence outgrows index_topk (Mistral-Large-4: logits 0.37 apart at 10 tokens with 8 kept)
+    dsa = dict(index_topk=64, index_head_dim=hd, index_n_heads=2)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cls = {a: getattr(tf, c, None) for a, c in WRAPPER_CLASSES.items()}
+    return {
+        "mistral4": lambda: (tf.Mistral4Config(**mla, q_lora_rank=24, qk_rope_head_dim=4, first_k_dense_replace=1,
+                                               **ids), cls["mistral4"]),
+        "kimi_k25": lambda: (tf.Kimi_K25Config(
+            text_config=dict(model_type="deepseek_v3", **mla, q_lora_rank=24, qk_rope_head_dim=4, n_shared_experts=1,
+                             n_group=1, topk_group=1, first_k_dense_replace=1, **ids),
+            vision_config=dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                               pos_emb_height=4, pos_emb_width=4), projection_hidden_size=16), cls["kimi_k25"]),
+        "mistral_large4": lambda: (tf.MistralLarge4Config(
+            text_config=dict(**mla, **dsa, qk_rope_head_dim=4, **ids),
+            vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)),
+            cls["mistral_large4"]),
+        "glm5_next": lambda: (tf.Glm5NextConfig(
+            text_config=dict(**mla, **dsa, index_kpool=4, q_lora_rank=24, qk_rope_head_dim=0, linear_head_dim=hd,
+                             linear_num_heads=heads, hc_mult=2, hc_sinkhorn_iters=3, **ids),
+            vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=hidden,
+                               projection_intermediate_size=32)), cls["glm5_next"]),
     }
 
 

@@ -87,12 +87,13 @@ def routed_experts(config) -> int:
 def weight_bytes(config, scheme: str) -> int:
     """The checkpoint's bytes for a scheme, from the parameters of the model built on the meta device."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from ...target.classes import auto_class
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; one of {SCHEMES}")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # a causal LM, or the wrapper of a text decoder (target/classes.py)
+        model = auto_class(config).from_config(config)
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     total = 0
