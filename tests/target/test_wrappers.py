@@ -87,6 +87,21 @@ def test_greedy_speculative_output_is_the_wrappers_own_greedy_decode(arch, tmp_p
     assert got.tokens == want[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("arch", [present(a) for a in ONE_STREAM])
+def test_head_rows_and_a_head_only_target_read_the_wrappers_own_tensors(arch, tmp_path):
+    """Stored in the wrapper's own layout (Mistral-Large-4: `output.weight`, `tok_embeddings.weight`; Kimi-K2.5:
+    a tied head under `language_model.model.`), read back through transformers' renames."""
+    from blockdraft.target.files import head_rows
+    from blockdraft.target.load import load_head_only
+
+    ref = saved(arch, tmp_path)
+    rows = torch.tensor([0, 7, V - 1])
+    torch.testing.assert_close(head_rows(str(tmp_path), rows), ref.lm_head.weight[rows], rtol=0, atol=0)
+    m = load_head_only(TargetSource(str(tmp_path), tmp_path, None), dtype=torch.float32, final_norm=True)
+    torch.testing.assert_close(m.get_output_embeddings().weight, ref.lm_head.weight, rtol=0, atol=0)
+    torch.testing.assert_close(m.get_input_embeddings().weight, ref.get_input_embeddings().weight, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arch", [present("glm5_next")])
 def test_hyper_connection_streams_are_refused_in_one_line(arch, tmp_path):
     """GLM-5-Next's decoder layers output hc_mult residual streams ([T, hc_mult, H]); a drafter reads one
@@ -154,3 +169,23 @@ def test_doctor_and_train_say_the_target_failed_to_load(tmp_path, capsys):
                   "--steps", "1", "--no-progress", "--threads", "1")
     assert rc == 2 and f"blockdraft train: error: the target {target} failed to load: ValueError: " in out, out
     assert "layer ids" not in out and len(out.strip().splitlines()) == 1, out
+
+
+@pytest.mark.slow  # SmolLM2's tokenizer and a short training run: ~15 s a family
+@pytest.mark.parametrize("arch", [present(a) for a in ONE_STREAM])
+def test_doctor_and_a_short_train_pass_on_a_saved_wrapper(arch, tmp_path, capsys, smollm2_tokenizer, chat_data):
+    target = tmp_path / arch
+    model = tiny_causal_lm(arch, vocab=len(smollm2_tokenizer), layers=8, max_positions=1024)
+    with torch.no_grad():  # clear winners: greedy decoding without near-ties
+        model.get_output_embeddings().weight.mul_(8)
+    model.save_pretrained(target)
+    smollm2_tokenizer.save_pretrained(target)
+    rc, out = run(capsys, "doctor", "--target", str(target), "--threads", "1")
+    assert rc == 0 and "FAIL" not in out and "PASS  labels" in out and "PASS  greedy identity" in out, out
+    run_dir = tmp_path / "run"
+    rc, out = run(capsys, "train", "--target", str(target), "--data", chat_data, "--out", str(run_dir), "--steps", "2",
+                  "--max-length", "128", "--batch-tokens", "256", "--max-anchors", "16", "--eval-every", "2",
+                  "--eval-fraction", "0.1", "--no-progress", "--threads", "1")
+    assert rc == 0, out
+    rc, out = run(capsys, "doctor", "--target", str(target), "--drafter", str(run_dir / "drafter"), "--threads", "1")
+    assert rc == 0 and "FAIL" not in out and "PASS  serving = training" in out, out

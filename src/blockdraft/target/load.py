@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .classes import auto_class, failed, read_config
+from .classes import auto_class, failed, read_config, stored_keys
 from .files import is_random, load_tokenizer, random_target_tokenizer, resolve_target
 from .layers import final_norm_of, find_decoder_layers, text_config
 from .shard import load_sharded
@@ -113,6 +113,7 @@ def load_head_only(source: TargetSource, *, dtype: torch.dtype, device: str | No
         model = auto_class(config, source.shown).from_config(config)
     files = sorted(local.glob("*.safetensors"))
     names = {n for f in files for n in safe_open(str(f), "pt").keys()}
+    stored = stored_keys(local, model)  # parameter name -> stored key, where a checkpoint keeps another layout
     params = dict(model.named_parameters(remove_duplicate=False))
     mods = [model.get_input_embeddings(), model.get_output_embeddings()]
     if final_norm:
@@ -121,7 +122,7 @@ def load_head_only(source: TargetSource, *, dtype: torch.dtype, device: str | No
         for attr, param in list(mod.named_parameters(recurse=False)):
             pname = next(n for n, p in params.items() if p is param)
             tied = next((n for n in names if n.endswith("embed_tokens.weight")), None) if k < 2 else None
-            key = pname if pname in names else tied  # a tied head is stored as the embedding
+            key = pname if pname in names else stored.get(pname) or tied  # a tied head is stored as the embedding
             if key is None:
                 raise ValueError(f"{local} has no tensor for {pname}")
             f = next(f for f in files if key in safe_open(str(f), "pt").keys())
