@@ -195,3 +195,12 @@ def test_every_flag_accepts_the_default_its_help_shows():
                 except argparse.ArgumentTypeError as e:
                     refused.append(f"{name} {a.option_strings[0]} {text}: {e}")
     assert refused == []
+
+
+def test_the_command_list_names_every_format_convert_writes():
+    """`blockdraft --help` lists the commands without building their flags, so convert's line names the
+    formats in words: each one `convert --to` takes."""
+    from blockdraft.checkpoint.formats import EXPORTS
+    from blockdraft.cli.parsers import COMMANDS
+
+    assert all(name in COMMANDS["convert"][0] for name in EXPORTS)

@@ -46,6 +46,38 @@ KIND_FIELDS = {
     "domino": {"emb_dim": 256, "gru_hidden_dim": 1024, "pure_draft_prefix_len": 0, "lambda_base_start": 1.0,
                "lambda_base_decay_ratio": 0.5},
 }
+# What a kind refuses, declared once and read before any work: a draft vocabulary (why; DrafterConfig.validate,
+# so every command that builds, continues, loads or converts one, and train's --draft-vocab auto, which
+# resolves to the full vocabulary for these kinds), and the export formats no reader has it in (`kind_refusal`).
+FULL_VOCAB_ONLY = {
+    "lilicorr": "LiLiCorr's candidates come from the full vocabulary (vLLM 0.32 refuses a draft vocabulary for it)",
+    "domino": "Domino's correction scores the full vocabulary (SpecForge's and Model-Optimizer's embed_proj has "
+              "one row per target token, so the z-lab directory, train's own, has no place for a draft vocabulary)",
+}
+NO_FORMAT = {  # kind -> {format: which reader has no such drafter}
+    "lilicorr": {"speculators": "speculators 0.9.0 has no LiLiCorr", "gguf": "llama.cpp b11434 has no LiLiCorr"},
+    "domino": {"speculators": "speculators 0.9.0 has no Domino drafter (its issue #773 is open)",
+               "gguf": "llama.cpp b11434 has no Domino drafter (no GRU correction in its DFlash graph)"},
+}
+WRITE_INSTEAD = {  # kind -> where its files go instead
+    "lilicorr": "export it --to zlab, the directory vLLM 0.32 serves it from (its V2 GPU runner)",
+    "domino": "export it --to zlab, the DominoDraftModel layout SpecForge 0.2.0 and Model-Optimizer 0.47.0 read "
+              "(no serving engine blockdraft has read runs Domino: not vLLM 0.32, SGLang 0.5.23 or llama.cpp)",
+}
+
+
+def kind_refusal(kind: str, fmt: str) -> str | None:
+    """Why a drafter of `kind` has no files in format `fmt` and where they go instead, or None."""
+    why = NO_FORMAT.get(kind, {}).get(fmt)
+    return f"{why}: a {kind} drafter has no {fmt} layout; {WRITE_INSTEAD[kind]}" if why else None
+
+
+def full_vocab_refusal(kind: str, draft_vocab_size: int | None) -> str | None:
+    """Why `kind` cannot have a draft vocabulary of `draft_vocab_size` tokens, or None."""
+    if not draft_vocab_size or kind not in FULL_VOCAB_ONLY:
+        return None
+    return (f"{FULL_VOCAB_ONLY[kind]}; this {kind} drafter would draft from {draft_vocab_size} tokens: train it with "
+            "--draft-vocab full (or the default, auto), or --init-drafter from a full-vocabulary drafter")
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -218,6 +250,8 @@ class DrafterConfig:
         mine = KIND_FIELDS[self.kind]
         foreign = sorted(n for k in KINDS for n in KIND_FIELDS[k] if n not in mine and getattr(self, n) is not None)
         need(not foreign, f"{', '.join(foreign)} belong to another drafter kind than {self.kind!r}")
+        vocab = full_vocab_refusal(self.kind, self.draft_vocab_size)
+        need(vocab is None, vocab or "")
         need(not self.sample_from_anchor, "sample_from_anchor: blockdraft trains and serves the DFlash convention "
              "(slot 0 is the anchor and predicts nothing); a drafter trained with slot 0 predicting is not supported")
         small = [f"{n} {getattr(self, n)}" for n in mine if not isinstance(getattr(self, n), bool)
@@ -244,9 +278,6 @@ class DrafterConfig:
         """vLLM 0.32's own checks (models/lilicorr.py), said before a run rather than at serving."""
         k, h = self.lilicorr_candidate_topk, self.lilicorr_hidden_size or self.hidden_size
         need(k <= 16 and k & (k - 1) == 0, f"lilicorr_candidate_topk must be a power of two <= 16, got {k}")
-        need(self.draft_vocab_size is None, f"LiLiCorr candidates come from the full vocabulary (vLLM refuses a "
-             f"draft vocabulary for it), this drafter drafts from {self.draft_vocab_size} tokens: train it with "
-             "--draft-vocab full, or --init-drafter from a full-vocabulary drafter")
         need(bool(self.conv_kernel_size) == bool(self.conv_group_size),
              "LiLiCorr + conv needs both conv_kernel_size and conv_group_size (0 and 0: no convolution)")
         if self.conv_kernel_size:

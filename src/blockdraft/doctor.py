@@ -171,12 +171,13 @@ def check_engines(drafter) -> Check:
     """What each consumer of each export computes (checkpoint.formats): a serving engine that would
     compute another function is a WARN naming it; everything else is listed."""
     from .engines import differences
+    from .engines.exports import retrain_hint
 
     found = differences(drafter.config)
     refused = [f"{name} -> {d}" for name, d in found if d.refuse]
     if refused:
         return Check("serving engines", WARN, "; ".join(refused),
-                     "retrain for the engine (e.g. blockdraft train --window-rule query), or serve it with another")
+                     f"{retrain_hint([d for _, d in found if d.refuse])}, or serve it with another")
     notes = "; ".join(f"{name} -> {d}" for name, d in found)
     return Check("serving engines", PASS, "every export's engines compute this drafter's function"
                  + (f" (notes: {notes})" if notes else ""))

@@ -340,7 +340,51 @@ def test_domino_files_and_layouts_blockdraft_cannot_serve_are_refused_in_one_lin
     with pytest.raises(ValueError, match=r"^speculators 0.9.0 has no Domino drafter[^\n]*--to zlab"):
         export_drafter(d, tmp_path / "s", "speculators", verifier=verifier)
     assert not (tmp_path / "s").exists()
-    dv = _domino(t, draft_vocab_size=40)
-    dv.set_draft_vocab(torch.arange(40))
-    with pytest.raises(ValueError, match=r"^SpecForge's Domino scores the full vocabulary[^\n]*--draft-vocab full"):
-        export_drafter(dv, tmp_path / "z", "zlab", verifier=verifier)
+    with pytest.raises(ValueError, match=r"^Domino's correction scores the full vocabulary[^\n]*--draft-vocab full"):
+        _domino(t, draft_vocab_size=40)  # its config, before any drafter exists (config.FULL_VOCAB_ONLY)
+
+
+# docs/kinds.md's promises, kind by format: True where `train`'s directory converts (a consumer reads it),
+# else the one layout the refusal must send the drafter to. LiLiCorr: "vLLM's V2 GPU runner is its only
+# server, and it reads the z-lab directory"; Domino: "written only in the z-lab/SpecForge layout ...
+# speculators and llama.cpp have no Domino: those exports are refused".
+DOCS_KINDS = {"dflash": {}, "dspark": dict(markov_rank=8),
+              "dflash2": dict(conv_group_size=8, selector_rank=8, selector_top_k=4),
+              "lilicorr": dict(lilicorr_candidate_topk=4, lilicorr_num_heads=2),
+              "domino": dict(emb_dim=8, gru_hidden_dim=6)}
+DOCS_PROMISE = {kind: {"zlab": True, "speculators": kind not in ("lilicorr", "domino"),
+                       "gguf": kind not in ("lilicorr", "domino")} for kind in DOCS_KINDS}
+
+
+@pytest.mark.parametrize("to", ["zlab", "speculators", "gguf"])
+@pytest.mark.parametrize("kind", sorted(DOCS_KINDS))
+def test_each_kind_converts_to_each_format_as_the_docs_say(tmp_path, kind, to):
+    """`convert` of `train`'s directory for every kind and format (issue 58, item 7.2/7.3): it writes where
+    docs/kinds.md says a consumer reads it; elsewhere one line sends it to a layout that converts, and the
+    engines it names as reading that layout are the ones the registry says serve the kind from it."""
+    from blockdraft.engines import ENGINES
+
+    from .test_gguf import fake_target_gguf
+
+    t = tiny_target("qwen3")
+    src = save_drafter(DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4, kind=kind,
+                                                              **DOCS_KINDS[kind])), tmp_path / "native")
+    verifier = fake_verifier(tmp_path / "verifier", t)
+    gguf = fake_target_gguf(tmp_path / "t.gguf", hidden=32, layers=t.num_layers, vocab=V) if to == "gguf" else None
+    dst = tmp_path / ("d.gguf" if to == "gguf" else "d")
+    if DOCS_PROMISE[kind][to]:
+        convert(src, dst, to, verifier=verifier, target_gguf=gguf)
+        assert dst.exists()
+        return
+    with pytest.raises(ValueError) as e:
+        convert(src, dst, to, verifier=verifier, target_gguf=gguf, allow_mismatch=True)  # no mismatch to allow
+    said = str(e.value)
+    assert "\n" not in said and not dst.exists() and "--window-rule" not in said, said
+    advised = said.split("export it --to ", 1)[1].split(",")[0].split()[0]
+    convert(src, tmp_path / "advised", advised, verifier=verifier)  # the advice holds
+    before_not = said.split("export it --to ", 1)[1].split(" not ")[0]
+    for e in ENGINES.values():
+        if e.reads(advised) and not e.serves(kind):
+            assert e.name not in before_not, (e.name, said)
+        elif e.reads(advised):
+            assert e.name in before_not, (e.name, said)

@@ -89,7 +89,7 @@ def test_doctor_names_llamacpp_apart_from_vllm():
 def kind_configs():
     """A drafter config of each kind, with a draft vocabulary and with sliding layers, so that every
     format records every consumer it has something to say about."""
-    from blockdraft.config import KINDS, DrafterConfig
+    from blockdraft.config import FULL_VOCAB_ONLY, KINDS, DrafterConfig
 
     kw = {"dflash": {}, "dspark": dict(markov_rank=8), "dflash2": dict(selector_rank=8, selector_top_k=4,
                                                                        conv_group_size=8),
@@ -99,7 +99,7 @@ def kind_configs():
     for kind in KINDS:
         for extra in ({}, dict(draft_vocab_size=64), dict(layer_types=["sliding_attention", "full_attention"],
                                                           sliding_window=8, num_layers=2)):
-            if kind == "lilicorr" and "draft_vocab_size" in extra:  # refused by its config (vLLM's rule)
+            if kind in FULL_VOCAB_ONLY and "draft_vocab_size" in extra:  # refused by its config
                 continue
             args = {"num_layers": 1, "block_size": 4, "kind": kind, **kw[kind], **extra}
             yield DrafterConfig.for_target(t, **args)

@@ -30,17 +30,17 @@ def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     reached = []
 
-    def interrupted_import():  # Ctrl-C while torch and transformers are imported
+    def interrupted_import(only=None):  # Ctrl-C while torch and transformers are imported
         importlib.import_module("slow_module")
         time.sleep(2)  # the next import; the interrupt comes meanwhile
         reached.append(True)
 
-    def caught_import():  # a library that catches it and goes on
+    def caught_import(only=None):  # a library that catches it and goes on
         try:
             signal.raise_signal(signal.SIGINT)
         except KeyboardInterrupt:
             pass
-        return real()
+        return real(only)
 
     real = cli.build_parser
     for fake in (interrupted_import, caught_import):

@@ -1,5 +1,11 @@
 """`blockdraft` command line: parse, dispatch, end (`parsers` has the flags, `commands` the glue that calls
-the library, `exits` how a command ends)."""
+the library, `exits` how a command ends).
+
+Importing this package imports nothing heavy (no torch, no transformers, none of the library): `main`
+puts the stop-signal handlers in place first, then builds the parser of the one command named (its
+flags come from the library's option classes), and a command imports what it needs when it runs.
+`blockdraft --help` and a mistaken command answer at once, and SIGTERM or SIGUSR1 at any moment after
+the process starts is handled (`stop_handlers`), never the silent death by the signal."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import sys
 from ..options import check_parsed
 from . import commands
 from .exits import interrupts, preempted, rerun_hint, exit_after_group, one_line  # noqa: F401
-from .parsers import train_parser, build, train_config, unused_sampling  # noqa: F401 (the package's names)
+from .parsers import train_parser, build, command_of, train_config, unused_sampling  # noqa: F401 (its names)
 from .commands import speed_settings  # noqa: F401
 
 COMMANDS = {"train": commands.cmd_train, "regenerate": commands.cmd_regenerate, "prompts": commands.cmd_prompts,
@@ -20,9 +26,10 @@ COMMANDS = {"train": commands.cmd_train, "regenerate": commands.cmd_regenerate, 
             "generate": commands.cmd_generate, "bench": commands.cmd_bench}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every command's parser, each with its function."""
-    p = build()
+def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, each with its function; with `only`, the flags of those commands alone
+    (`parsers.build`)."""
+    p = build(only)
     sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in sub.choices.items():
         parser.set_defaults(fn=COMMANDS[name])
@@ -40,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     take seconds) is one line and exit code 130, also where a library caught the interrupt midway
     through an import and failed later on the half-imported module."""
     seen: dict = {}
+    argv = sys.argv[1:] if argv is None else list(argv)
     with interrupts() as interrupted:
         try:
-            return _main(argv, seen, interrupted)
+            with stop_handlers(command_of(argv), seen):  # before the parser: building it imports the library
+                return _main(argv, seen, interrupted)
         except BaseException as e:
             if not (interrupted or isinstance(e, KeyboardInterrupt)):
                 group = sys.modules.get("blockdraft.train.distributed")
@@ -52,15 +61,15 @@ def main(argv: list[str] | None = None) -> int:
             interrupted.append("handled")
             args = seen.get("args")
             cmd = f" {args.cmd}" if getattr(args, "cmd", None) else ""
-            by = seen.get("signal")  # SIGTERM or SIGUSR1 to a command other than train (`start_up`)
+            by = seen.get("signal")  # SIGTERM or SIGUSR1 to a command other than train (`stop_handlers`)
             print(f"blockdraft{cmd}: {f'stopped by {by}' if by else 'interrupted'}; {rerun_hint(args)}",
                   file=sys.stderr)
             return 128 + int(getattr(signal, by)) if by else 130
 
 
-def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _main(argv: list[str], seen: dict, interrupted: list) -> int:
+    cmd = command_of(argv)
+    parser = build_parser((cmd,) if cmd else ())
     args = seen["args"] = parser.parse_args(argv)
     if getattr(args, "cmd", None):  # the paths and devices the flags name, before any work
         command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
@@ -77,25 +86,24 @@ def _main(argv: list[str] | None, seen: dict, interrupted: list) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
-    with start_up(args, seen):
-        return _run(args, interrupted)
+    return _run(args, interrupted)
 
 
 # the commands a stop signal ends as a Ctrl-C does (train saves and stops; engine's server has its own)
 SIGNAL_AS_INTERRUPT = ("regenerate", "prompts", "extract", "convert", "doctor", "generate", "bench")
 
 
-def start_up(args, seen: dict):
-    """`train`: SIGTERM or SIGUSR1 from here to the training loop (the imports, the target, the data,
-    the engines) stops the run cleanly before its first step (`preempt.starting_up`). The commands of
-    SIGNAL_AS_INTERRUPT end on them as on Ctrl-C (what was finished is kept; one line naming the
-    signal and the rerun; exit 128 + the signal), instead of dying with no word."""
-    import contextlib
-
-    if args.cmd in SIGNAL_AS_INTERRUPT:
-        return _signal_as_interrupt(seen)
-    if args.cmd != "train":
+def stop_handlers(cmd: str | None, seen: dict):
+    """From the first line of `main`, before the flags are read (building the parser imports the
+    library, seconds): `train`: SIGTERM or SIGUSR1 from here to the training loop (the imports, the
+    target, the data, the engines) stops the run cleanly before its first step (`preempt.starting_up`).
+    The commands of SIGNAL_AS_INTERRUPT, and `blockdraft` with no command or a mistaken one, end on
+    them as on Ctrl-C (what was finished is kept; one line naming the signal and the rerun; exit 128 +
+    the signal), instead of dying with no word. `engine` keeps the signals' defaults for its server."""
+    if cmd == "engine":
         return contextlib.nullcontext()
+    if cmd != "train":
+        return _signal_as_interrupt(seen)
     from ..preempt import starting_up
 
     return starting_up(os.environ.get("RANK", "0") == "0")  # torchrun's rank: the group is not joined yet
@@ -148,9 +156,9 @@ def _run(args, interrupted: list) -> int:
 
             use_template(args.chat_template, args.thinking)  # every rendering of this command
         rc = int(args.fn(args) or 0)
-        from ..train.distributed import leave
-
-        leave()  # after a clean finish only: a rank that failed must not wait for the others here
+        group = sys.modules.get("blockdraft.train.distributed")  # not imported: this process joined no group
+        if group is not None:
+            group.leave()  # after a clean finish only: a rank that failed must not wait for the others here
         return rc
     except Preempted as e:  # a signal asked the run to stop: every rank saved the same step, and leaves
         return preempted(args, e)

@@ -89,12 +89,13 @@ def rerun_hint(args) -> str:
 def preempted(args, e) -> int:
     """A run stopped by SIGTERM, SIGUSR1 or a first Ctrl-C after saving: one line (rank 0), the
     process group left together, exit code PREEMPTED."""
-    from ..train.distributed import leave, world
     from ..preempt import PREEMPTED
 
-    if world()[0] == 0:
+    group = sys.modules.get("blockdraft.train.distributed")  # not imported: this process joined no group
+    if group is None or group.world()[0] == 0:
         print(f"blockdraft {args.cmd}: {e}", file=sys.stderr)
-    leave()
+    if group is not None:
+        group.leave()
     return PREEMPTED
 
 

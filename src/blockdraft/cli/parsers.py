@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..data.eval_prompts import check_sets
 from ..engines import RUNNERS
 from ..options import Checked, existing
 
@@ -83,14 +82,7 @@ def train_config(args, argv: list[str] | None = None):
 
 
 
-def _add_train(sub) -> None:
-    t = sub.add_parser("train", help="train a drafter (defaults: embedded SmolLM2 target, bundled data)")
-    train_parser(t)
-
-
-def _add_regenerate(sub) -> None:
-    r = sub.add_parser("regenerate", help="let the target write every assistant turn of a prompt set, greedy or sampled",
-                       formatter_class=FORMATTER)
+def _regenerate_flags(r) -> None:
     _target_args(r)
     r.add_argument("--prompts", default="default", type=Checked(str, check=existing("file", names=("default",))),
                    help="prompt records or conversations file, or 'default' (the bundled prompt set)")
@@ -131,8 +123,9 @@ def _add_regenerate(sub) -> None:
                         "every rebuild): the form of the bundled data")
     r.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed records")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p = sub.add_parser("prompts", help="build a prompt set: user turns the target writes (Magpie) + built-in ones",
-                       formatter_class=FORMATTER)
+
+
+def _prompts_flags(p) -> None:
     _target_args(p)
     p.add_argument("--out", required=True, type=TEXT, help="prompt records, JSONL (gzip if it ends .gz) (required)")
     p.add_argument("--magpie", type=Checked(int), default=1000, help="user turns sampled from the target")
@@ -144,38 +137,33 @@ def _add_regenerate(sub) -> None:
                    help="raw samples drawn per Magpie prompt wanted (the filter drops some)")
 
 
-def _add_extract(sub) -> None:
+def _extract_flags(x) -> None:
     from ..data.pipeline import DataOptions
     from ..engines.vllm.engine_options import EngineOptions
     from ..options import add_options
     from ..extract import ENGINE_FLAGS, ExtractOptions
 
-    x = sub.add_parser("extract", help="store the target's features and final states for training (sharded)",
-                       formatter_class=FORMATTER)
     _target_args(x, features=True)
     add_options(x, DataOptions, only=("data", "max_length", "skip_bad_lines"))
     add_options(x, ExtractOptions)
     add_options(x, EngineOptions, only=ENGINE_FLAGS)
 
 
-def _add_engine(sub) -> None:
+def _engine_flags(e) -> None:
     from ..engines.vllm.engine_options import EngineOptions
     from ..engines.vllm.serve import ENGINE_FLAGS, ServerOptions
     from ..options import add_options
     from ..target import TargetOptions
 
-    e = sub.add_parser("engine", help="run a vLLM server on this node for train --engine-endpoints on other nodes "
-                                      "(states through a Mooncake store)", formatter_class=FORMATTER)
     add_options(e, TargetOptions, only=("target", "num_features", "layer_ids"))
     add_options(e, ServerOptions)
     add_options(e, EngineOptions, only=ENGINE_FLAGS)
 
 
-def _add_convert(sub) -> None:
+def _convert_flags(c) -> None:
     from ..checkpoint.formats import EXPORTS
 
-    c = sub.add_parser("convert", help="write a drafter checkpoint for a consumer: " +
-                       "; ".join(f"{k} ({v})" for k, v in EXPORTS.items()), formatter_class=FORMATTER)
+    c.description = "The formats: " + "; ".join(f"{k} ({v})" for k, v in EXPORTS.items()) + "."
     c.add_argument("--to", choices=list(EXPORTS), required=True, help="the format to write (required)")
     c.add_argument("--target-gguf", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
                    help="gguf only: the target's GGUF file that llama-server loads; its tokenizer (and a draft "
@@ -193,9 +181,7 @@ def _add_convert(sub) -> None:
                                ".gguf file")
 
 
-def _add_doctor(sub) -> None:
-    d = sub.add_parser("doctor", help="check the DFlash contract on your target, data and checkpoint",
-                       formatter_class=FORMATTER)
+def _doctor_flags(d) -> None:
     _target_args(d)
     d.add_argument("--drafter", default=None, type=DRAFTER,
                    help="drafter directory or 'default' (without one, the checks that need no checkpoint run on "
@@ -229,9 +215,7 @@ def _speed_args(p) -> None:
     p.add_argument("--block-size", type=Checked(int, min=2), default=None, help="verify blocks of this size (default: the drafter's)")
 
 
-def _add_generate(sub) -> None:
-    g = sub.add_parser("generate", help="speculative generation; streams the text, then prints tau and tok/s",
-                       formatter_class=FORMATTER)
+def _generate_flags(g) -> None:
     _target_args(g)
     g.add_argument("prompt", type=TEXT, help="the prompt (a user turn with --chat)")
     g.add_argument("--drafter", default="default", type=DRAFTER, help="drafter directory, or 'default'")
@@ -243,12 +227,10 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=Checked(int), default=None, help="sampling seed")
 
 
-def _add_bench(sub) -> None:
-    b = sub.add_parser("bench", help="target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval",
-                       formatter_class=FORMATTER)
+def _bench_flags(b) -> None:
     _target_args(b)
     b.add_argument("--drafter", default="default", type=DRAFTER, help="drafter directory, or 'default'")
-    b.add_argument("--sets", default="mtbench,gsm8k,humaneval", type=Checked(str, check=check_sets),
+    b.add_argument("--sets", default="mtbench,gsm8k,humaneval", type=Checked(str, check=_check_sets),
                    help="comma-separated prompt sets")
     b.add_argument("--n", type=Checked(int, min=1), default=20, help="prompts per set")
     b.add_argument("--max-new-tokens", type=Checked(int, min=1), default=256, help="longest answer in tokens")
@@ -257,6 +239,12 @@ def _add_bench(sub) -> None:
     b.add_argument("--plot", default=None, type=TEXT, help="write a PNG of the speedups here")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+
+def _check_sets(text: str) -> None:
+    from ..data.eval_prompts import check_sets
+
+    return check_sets(text)
 
 
 def unused_sampling(args) -> str | None:
@@ -273,8 +261,34 @@ def unused_sampling(args) -> str | None:
             f"greedily: give --temperature above 0, or drop {flags}")
 
 
-def build() -> argparse.ArgumentParser:
-    """Every command's parser (`cli.build_parser` adds each one's function)."""
+# Each command: its one-line help and the function that adds its flags. `build` adds the flags of the
+# commands asked for only: those of the others import the library (torch, transformers), and `blockdraft
+# --help` or a mistaken command answers without them.
+COMMANDS = {
+    "train": ("train a drafter (defaults: embedded SmolLM2 target, bundled data)", train_parser),
+    "regenerate": ("let the target write every assistant turn of a prompt set, greedy or sampled", _regenerate_flags),
+    "prompts": ("build a prompt set: user turns the target writes (Magpie) + built-in ones", _prompts_flags),
+    "extract": ("store the target's features and final states for training (sharded)", _extract_flags),
+    "engine": ("run a vLLM server on this node for train --engine-endpoints on other nodes (states through a "
+               "Mooncake store)", _engine_flags),
+    "convert": ("write a drafter checkpoint for a consumer: zlab, speculators or gguf (convert --help says which "
+                "reads each)", _convert_flags),
+    "doctor": ("check the DFlash contract on your target, data and checkpoint", _doctor_flags),
+    "generate": ("speculative generation; streams the text, then prints tau and tok/s", _generate_flags),
+    "bench": ("target vs speculative vs prompt-lookup decoding on MT-Bench/GSM8K/HumanEval", _bench_flags),
+}
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command an argument list names (the first word that is no flag: `blockdraft` itself takes only
+    --help and --version), or None."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def build(commands: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, with the flags of `commands` (None: of all) (`cli.build_parser` adds each
+    one's function)."""
     from importlib.metadata import PackageNotFoundError, version
 
     p = OneLineParser(prog="blockdraft", description="Train, check and run DFlash drafters.")
@@ -284,16 +298,10 @@ def build() -> argparse.ArgumentParser:
         v = "unknown (not installed)"
     p.add_argument("--version", action="version", version=f"blockdraft {v}")
     sub = p.add_subparsers(dest="cmd", parser_class=OneLineParser)
-    _add_train(sub)
-    _add_regenerate(sub)
-    _add_extract(sub)
-    _add_engine(sub)
-    _add_convert(sub)
-    _add_doctor(sub)
-    _add_generate(sub)
-    _add_bench(sub)
-    for command in sub.choices.values():
+    for name, (help_text, flags) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, **({} if name == "train" else {"formatter_class": FORMATTER}))
+        if commands is None or name in commands:
+            flags(command)
         command.add_argument("--debug", action="store_true",
                              help="show the full traceback of an error (default: one line)")
     return p
-

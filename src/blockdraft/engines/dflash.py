@@ -22,8 +22,8 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
     if cfg.draft_vocab_size:
         out.append(Difference("dflash", False, ignores_draft_vocab(cfg)))
     if cfg.kind == "lilicorr":
-        out.append(Difference("dflash", True, "has no LiLiCorr (dflash/model.py: DFlash and DFlash2 only): it "
-                                              "cannot build this LiLiCorrDraftModel directory"))
+        out.append(Difference("dflash", False, "has no LiLiCorr (dflash/model.py: DFlash and DFlash2 only): it "
+                                               "does not load this LiLiCorrDraftModel directory"))
     if cfg.kind == "dspark":  # it has DFlash and DFlash2 only (dflash/model.py, benchmark.py)
         out.append(Difference("dflash", False, "has no DSpark: it loads this directory as a DFlashDraftModel and "
                                                "drops markov_head.* and confidence_head.* as unexpected weights, so "

@@ -15,7 +15,8 @@ from ..checkpoint import formats
 from ..checkpoint.native import convert_source, write_export, write_gguf
 from ..rundir.locks import locked
 from .consumers import format_differences
-from .base import Difference
+from ..config import kind_refusal
+from .base import ANCHOR_RULE_SERVED, Difference
 
 
 def export_drafter(drafter, dst: str | os.PathLike, to: str, *, verifier: str | None = None,
@@ -23,12 +24,22 @@ def export_drafter(drafter, dst: str | os.PathLike, to: str, *, verifier: str | 
     """Write `drafter` in format `to`. Returns the directory and the consumers' records; a serving
     engine among them that would compute another function is refused unless `allow_mismatch`."""
     formats.get(to)  # an unknown format is named before the consumers are asked
+    refused = kind_refusal(drafter.config.kind, to)
+    if refused:  # no reader of the format has the kind at all: one line, not a mismatch to allow
+        raise ValueError(refused)
     found = format_differences(to, drafter.config)
     serving = [d for d in found if d.refuse]
     if serving and not allow_mismatch:
         raise ValueError(f"the {to} files would be served as another function: " + "; ".join(map(str, serving))
-                         + ". Retrain for the engine (e.g. --window-rule query) or pass --allow-mismatch")
+                         + f". To serve it: {retrain_hint(serving)}, or pass --allow-mismatch")
     return write_export(drafter, dst, to, verifier=verifier), found
+
+
+def retrain_hint(refusals: list[Difference]) -> str:
+    """What makes the drafter one the refusing engines serve: the query rule where the anchor rule is why."""
+    if any(d.what == ANCHOR_RULE_SERVED for d in refusals):
+        return "retrain it under the rule the engine serves (blockdraft train --init-drafter DIR --window-rule query)"
+    return "retrain it for the engine"
 
 
 def export_gguf(drafter, dst: str | os.PathLike, *, target_gguf: str | os.PathLike | None = None,
@@ -41,7 +52,7 @@ def export_gguf(drafter, dst: str | os.PathLike, *, target_gguf: str | os.PathLi
     found = format_differences(formats.GGUF, drafter.config)
     if found and not allow_mismatch:
         raise ValueError("llama.cpp would serve this GGUF as another function: " + "; ".join(map(str, found))
-                         + ". Retrain for the engine or pass --allow-mismatch")
+                         + f". To serve it: {retrain_hint(found)}, or pass --allow-mismatch")
     return write_gguf(drafter, dst, target_gguf=target_gguf, overwrite=overwrite), found
 
 

@@ -22,7 +22,7 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
                                                     "(every slot sees a - W <= p < a); this drafter uses the "
                                                     "query rule that vLLM serves"))
     if cfg.kind == "lilicorr":
-        out.append(Difference("speculators", True, "has no LiLiCorr (0.9.0): the export is refused"))
+        out.append(Difference("speculators", False, "has no LiLiCorr (0.9.0): the export is refused"))
     if cfg.kind == "dflash2" and cfg.draft_vocab_size:
         out.append(Difference("speculators", False, "its DFlash2 requires the full target vocabulary "
                                                     "(models/dflash2/core.py): this drafter has a draft vocabulary, "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import KIND_FIELDS, KINDS, WINDOW_QUERY, WINDOW_RULES
+from ..config import FULL_VOCAB_ONLY, KIND_FIELDS, KINDS, WINDOW_QUERY, WINDOW_RULES, full_vocab_refusal
 
 # the kind fields `train` takes as flags
 KIND_FLAGS = ("markov_rank", "selector_rank", "selector_top_k", "lilicorr_candidate_topk", "lilicorr_num_layers",
@@ -35,7 +35,8 @@ class DrafterOptions:
                                         "trains; with --init-drafter the drafter keeps its own rule unless one is "
                                         "given (default: query)", choices=WINDOW_RULES)
     draft_vocab: str = opt("auto", "draft vocabulary size (most frequent training tokens), 'full', or 'auto' "
-                                   "(8192 on a CPU)", check=lambda v: check_draft_vocab(v))
+                                   "(8192 on a CPU; full for the kinds that need it: lilicorr, domino)",
+                           check=lambda v: check_draft_vocab(v))
     init_from_target: bool = opt(True, "start the drafter layers from the target's top decoder layers, where a "
                                        "piece computes the same function")
     final_norm_init: str = opt("target", "drafter output norm: 0.1 (small: near-uniform first guesses) or the "
@@ -78,6 +79,9 @@ class DrafterOptions:
         if target_vocab is not None and size not in ("auto", "full") and int(size) > target_vocab:
             raise ValueError(f"--draft-vocab {size} exceeds the target's vocabulary ({target_vocab}); use a smaller "
                              "size or --draft-vocab full")
+        refused = full_vocab_refusal(self.kind or "dflash", 0 if size in ("auto", "full") else int(size))
+        if refused and not self.init_drafter:  # with --init-drafter the drafter's own size (train.preflight)
+            raise ValueError(f"--draft-vocab {size} --kind {self.kind}: {refused}")
 
     def layout(self) -> dict:
         """DrafterConfig.for_target keywords: layers, block, sliding windows and their rules."""
@@ -105,7 +109,7 @@ class DrafterOptions:
     def vocab_size(self, device: str, target_vocab: int) -> int | None:
         self.check(target_vocab)
         v = check_draft_vocab(self.draft_vocab)
-        if v == "auto" and self.kind == "lilicorr":  # its candidates come from the full vocabulary (vLLM's rule)
+        if v == "auto" and self.kind in FULL_VOCAB_ONLY:  # config.FULL_VOCAB_ONLY says why
             return None
         if v == "auto":  # on a CPU the head is most of the drafter's cost
             return 8192 if device == "cpu" and target_vocab > 8192 else None

@@ -249,6 +249,24 @@ def check_init_drafter(cfg, dc) -> None:
         raise ValueError(f"--init-drafter {d.init_drafter} brings its own layout and weights, so {', '.join(wrong)} "
                          f"would not apply: drop {'them' if len(wrong) > 1 else 'it'}, or train a new drafter without "
                          "--init-drafter")
+    check_kind_change(cfg, dc)
+
+
+def check_kind_change(cfg, dc) -> None:
+    """--init-drafter D --kind K: the drafter K would be (D's layout, K's fields) is checked as a config now,
+    so what the kind refuses (a draft vocabulary: config.FULL_VOCAB_ONLY) is said before anything loads."""
+    import dataclasses
+
+    d = cfg.drafter
+    if dc is None or not d.kind or d.kind == dc.kind:
+        return
+    if dc.kind != "dflash":
+        raise ValueError(f"--kind {d.kind}: only a dflash drafter changes kind; --init-drafter {d.init_drafter} is a "
+                         f"{dc.kind} drafter")
+    try:
+        dataclasses.replace(dc, **d.kind_fields())
+    except ValueError as e:
+        raise ValueError(f"--init-drafter {d.init_drafter} --kind {d.kind}: {e}") from None
 
 
 def _same(name: str, now, has) -> bool:

@@ -156,9 +156,6 @@ DOMINO_FIELDS = ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len")
 def domino_fields(cfg: DrafterConfig) -> dict:
     """Domino's fields inside `dflash_config`, as SpecForge 0.2.0's DominoDraftModel reads them; shift_label
     false is blockdraft's convention (slot k predicts the token at anchor + k), said out loud."""
-    if cfg.draft_vocab_size:
-        raise ValueError("SpecForge's Domino scores the full vocabulary (its embed_proj has one row per target "
-                         "token); this drafter has a draft vocabulary: train it with --draft-vocab full")
     return {"projector_type": "domino", **{k: getattr(cfg, k) for k in DOMINO_FIELDS}, "shift_label": False}
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config import SLIDING, DrafterConfig
+from ...config import SLIDING, DrafterConfig, kind_refusal
 
 ARCH = "dflash"
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # what dflash.cpp's FFN accepts
@@ -247,11 +247,6 @@ def _entries(cfg: DrafterConfig, reader, name: str, owner: str) -> list:
     return out + [Entry("tokenizer.ggml.mask_token_id", cfg.mask_token_id, T.UINT32)]
 
 
-# no release of these readers has LiLiCorr; vLLM 0.32 reads it from the z-lab layout
-LILICORR_REFUSED = ("a lilicorr drafter has no {fmt} layout: {reader} has no LiLiCorr; export it --to zlab, the "
-                    "directory vLLM 0.32 serves it from")
-
-
 def _kind_entries(cfg: DrafterConfig) -> list:
     """The keys a DSpark or DFlash2 drafter adds (none for DFlash: its files stay as they were)."""
     from gguf import GGUFValueType as T
@@ -285,10 +280,11 @@ def _tensors(sd: dict, cfg: DrafterConfig, reader) -> list[tuple]:
 
 
 def check_kind(cfg: DrafterConfig) -> None:
-    """A kind llama.cpp b11434 has no drafter for is refused in one line, before anything else is weighed."""
-    if cfg.kind == "domino":
-        raise ValueError("llama.cpp b11434 has no Domino drafter (no GRU correction in its DFlash graph): export "
-                         "a domino drafter --to zlab (SpecForge, SGLang)")
+    """A kind llama.cpp b11434 has no drafter for is refused in one line (`config.kind_refusal`), before
+    anything else is weighed."""
+    refused = kind_refusal(cfg.kind, "gguf")
+    if refused:
+        raise ValueError(refused)
 
 
 def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str | os.PathLike,
@@ -301,8 +297,6 @@ def write(sd: dict, cfg: DrafterConfig, dst: str | os.PathLike, target_gguf: str
     from ...rundir.atomic import check_free_space
     from ...finite import require_finite
 
-    if cfg.kind == "lilicorr":
-        raise ValueError(LILICORR_REFUSED.format(fmt="GGUF", reader="llama.cpp b11434"))
     from ...rundir.ownership import record, remove_leftovers, temp_path
     from .gguf_file import check_values, file_bytes, write_file
 

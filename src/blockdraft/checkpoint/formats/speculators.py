@@ -19,7 +19,7 @@ their names.
 
 from __future__ import annotations
 
-from ...config import WINDOW_ANCHOR, DrafterConfig
+from ...config import WINDOW_ANCHOR, DrafterConfig, kind_refusal
 from ...target import hidden_states_index, layer_id_from_hidden_states_index
 from .base import (OWN_KEY, Export, Format, agree_kind, check_sample_from_anchor, dflash2_fields, dspark_fields,
                    engine_head_weights, layer_kwargs, own_fields, qwen3_fields, read_dflash2, read_dspark, read_own,
@@ -36,13 +36,9 @@ def matches(d: dict) -> bool:
 
 
 def _kind_fields(cfg: DrafterConfig) -> dict:
-    if cfg.kind == "lilicorr":
-        from .gguf import LILICORR_REFUSED
-
-        raise ValueError(LILICORR_REFUSED.format(fmt="speculators", reader="speculators 0.9.0"))
-    if cfg.kind == "domino":
-        raise ValueError("speculators 0.9.0 has no Domino drafter (its issue #773 is open): export a domino "
-                         "drafter --to zlab (SpecForge, SGLang)")
+    refused = kind_refusal(cfg.kind, "speculators")
+    if refused:
+        raise ValueError(refused)
     if cfg.kind == "dspark":
         return {k: v for k, v in dspark_fields(cfg).items() if k != "sample_from_anchor"}  # written above
     if cfg.kind == "dflash2":

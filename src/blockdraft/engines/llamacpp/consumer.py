@@ -48,7 +48,7 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
                                                "only from a z-lab config's dflash_config (conversion/qwen.py): "
                                                "convert --to zlab for that converter")]
     if fmt == GGUF and cfg.kind == "lilicorr":
-        return [Difference("llama.cpp", True, "has no LiLiCorr (b11434): the GGUF export is refused")]
+        return [Difference("llama.cpp", False, "has no LiLiCorr (b11434): the GGUF export is refused")]
     return gguf_refusals(cfg) if fmt == GGUF else []
 
 
