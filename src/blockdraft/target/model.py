@@ -3,8 +3,9 @@
 Legend: Bz batch rows, T tokens, F feature layers, Ht target hidden size, V vocabulary.
 
 Clause 1 owner (with layers.py, where `hidden_states_index` holds the one "+1" between a layer id
-and the transformers `output_hidden_states` tuple): features are captured by forward hooks on the
-chosen decoder layers only, so the other n - F hidden states are never kept.
+and the transformers `output_hidden_states` tuple, and `layer_state` what a layer's output is taken as):
+features are captured by forward hooks on the chosen decoder layers only, so the other n - F hidden states
+are never kept.
 
 Clause 3 owner: `TargetModel.__call__` returns the logits of the model's own forward
 (`model(input_ids).logits`, its own final norm, head and soft-capping), optionally only
@@ -25,7 +26,7 @@ from ..model.linear import few_rows_linear, use_few_rows_linears
 from .family import document_starts, isolates_packed_documents, logit_transform, output_logits
 from .files import default_dtype, pick_mask_token, special_ids, tokenizer_hash
 from .files import head_rows as stored_head_rows
-from .layers import find_decoder_layers, residual_streams, text_config
+from .layers import find_decoder_layers, layer_state, residual_streams, stream_refusal, text_config
 from .load import TargetSource, load_head_only, load_model, random_source, resolve_source, spreads
 
 
@@ -73,11 +74,10 @@ class TargetModel(nn.Module):
         tc = text_config(model)
         self.num_layers = int(tc.num_hidden_layers)
         self.hidden_size = int(tc.hidden_size)
-        if (streams := residual_streams(model.config)) > 1:
-            H = self.hidden_size
-            raise ValueError(f"{name or type(model).__name__}: its decoder layers output {streams} residual streams "
-                             f"per token (hyper-connections: [T, {streams}, {H}]), where a drafter reads one [T, {H}] "
-                             "state per layer (clause 2); blockdraft cannot train for it yet")
+        if (why := stream_refusal(model.config)) is not None:
+            raise ValueError(f"{name or type(model).__name__}: its decoder layers output {residual_streams(model.config)} "
+                             f"residual streams per token (hyper-connections), and {why}")
+        self.streams = residual_streams(model.config)  # hc_mult: a layer's state is its streams' mean (layer_state)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         if layer_ids is None:
             layer_ids = default_target_layer_ids(self.num_layers, num_features)
@@ -181,7 +181,7 @@ class TargetModel(nn.Module):
     def _make_hook(self, lid: int):
         def hook(_module, _inputs, output):
             if self._capturing:
-                self._captured[lid] = output[0] if isinstance(output, tuple) else output
+                self._captured[lid] = layer_state(output, self.streams)
         return hook
 
     @torch.no_grad()
