@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockdraft.config import DrafterConfig
+from blockdraft.model import DFlashDrafter
 from blockdraft.target import TargetModel
 from blockdraft.target.tiny import STREAM_CLASSES, WRAPPER_CLASSES, stream_archs, tiny_causal_lm, wrapper_archs
 
@@ -99,6 +101,40 @@ def test_features_are_the_aux_states_vllm_records(arch):
             assert (got - streams[L][:, :, s]).abs().max() > 1e-3, (L, s)
 
 
+@pytest.mark.parametrize("arch", [present("glm5_next")])
+def test_greedy_speculative_output_is_the_targets_own_greedy_decode(arch):
+    from blockdraft.generate import speculative_generate
+
+    model = tiny(arch)
+    t = TargetModel(model, None, [0, 2])
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4)).eval()
+    ids = torch.randint(3, V - 1, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, max_new_tokens=14, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = speculative_generate(t, d, ids, max_new_tokens=14)
+    assert got.tokens == want[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", [present("deepseek_v4")])
+def test_deepseek_v4_generation_is_refused_in_one_line(arch):
+    """transformers' DeepSeek-V4 cache layers for compressed attention cannot be cropped (their compressor
+    state is not rolled back), so the rejected drafts of a verification could not be taken back. Its plain
+    greedy decoding (a cache that only grows) is still the model's own."""
+    from blockdraft.generate import speculative_generate
+    from blockdraft.generate.baseline import target_greedy
+    from blockdraft.target.model import CropRefused
+
+    model = tiny(arch)
+    t = TargetModel(model, None, [0, 2])
+    d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4)).eval()
+    ids = torch.randint(3, V - 1, (1, 9), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(CropRefused, match=r"DeepseekV4CSACache\) cannot be cropped \(its compressor") as e:
+        speculative_generate(t, d, ids, max_new_tokens=8)
+    assert "\n" not in str(e.value)
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert target_greedy(t, ids, max_new_tokens=8).tokens == want[0, ids.shape[1]:].tolist()
+
+
 def test_a_hyper_connection_family_vllm_records_nothing_for_is_refused_in_one_line():
     """HY-V4 (hc_mult streams too): vLLM 0.33's HYV4ForCausalLM gives no aux states, so there is no served
     definition to match; the target is refused after loading, naming why."""
@@ -114,3 +150,38 @@ def test_a_hyper_connection_family_vllm_records_nothing_for_is_refused_in_one_li
                                          r"records no layer states for it") as e:
         TargetModel(model, None, [0])
     assert "\n" not in str(e.value)
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    from blockdraft.cli import main
+
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+@pytest.mark.slow  # SmolLM2's tokenizer, doctor twice and a short training run
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_doctor_and_a_short_train_on_a_saved_hyper_connection_target(arch, tmp_path, capsys, smollm2_tokenizer,
+                                                                     chat_data):
+    """Doctor's labels and greedy identity pass (DeepSeek-V4's generation is skipped, naming why), a short run
+    trains, and its drafter serves what it trained (serving = training) where blockdraft can generate."""
+    target = tmp_path / arch
+    model = tiny_causal_lm(arch, vocab=len(smollm2_tokenizer), layers=8, max_positions=1024)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    model.save_pretrained(target)
+    smollm2_tokenizer.save_pretrained(target)
+    generates = arch != "deepseek_v4"
+    rc, out = run(capsys, "doctor", "--target", str(target), "--threads", "1")
+    assert rc == 0 and "FAIL" not in out and "PASS  labels" in out, out
+    assert ("PASS  greedy identity" if generates else "SKIP  greedy identity") in out, out
+    assert generates or "(DeepseekV4CSACache) cannot be cropped" in out, out
+    run_dir = tmp_path / "run"
+    rc, out = run(capsys, "train", "--target", str(target), "--data", chat_data, "--out", str(run_dir), "--steps", "2",
+                  "--max-length", "128", "--batch-tokens", "256", "--max-anchors", "16", "--eval-every", "2",
+                  "--eval-fraction", "0.1", "--no-progress", "--threads", "1")
+    assert rc == 0, out
+    rc, out = run(capsys, "doctor", "--target", str(target), "--drafter", str(run_dir / "drafter"), "--threads", "1")
+    assert rc == 0 and "FAIL" not in out, out
+    assert ("PASS  serving = training" if generates else "SKIP  serving = training") in out, out

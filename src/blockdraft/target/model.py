@@ -48,6 +48,30 @@ class TargetOutput:
     final_hidden: torch.Tensor | None = None  # [Bz, T, Ht] after the final norm (head(final_hidden) == logits)
 
 
+class CropRefused(ValueError):
+    """The target's cache cannot take back tokens, so blockdraft's speculative decoding (which crops the
+    rejected drafts after each verification) cannot run it exactly; training does not use a cache."""
+
+
+# what a cache layer that transformers marks not croppable keeps that a crop would not take back, by class
+UNCROPPABLE = {"DeepseekV4HCACache": "its compressor's buffered window, compressed entries and their count",
+               "DeepseekV4CSACache": "its compressor's and indexer's buffered windows, compressed entries and "
+                                     "overlap state"}
+
+
+def crop_refusal(name: str, cache) -> CropRefused | None:
+    """The one-line refusal of a cache (made with past recording) that holds a layer transformers marks not
+    croppable, naming it and what it keeps; None where every layer can take tokens back."""
+    for i, layer in enumerate(getattr(cache, "layers", ())):
+        if getattr(layer, "is_croppable", True) is False:
+            cls = type(layer).__name__
+            keeps = UNCROPPABLE.get(cls, "state")
+            return CropRefused(f"{name}: transformers' cache for its layer {i} ({cls}) cannot be cropped ({keeps} "
+                               "would keep rejected draft tokens), so blockdraft cannot verify drafts exactly; "
+                               "it trains for this target, and a serving engine runs its speculative decoding")
+    return None
+
+
 def is_recording(cache) -> bool:
     """Whether a transformers cache keeps its past for a later crop (activate_past_recording)."""
     return any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ()))
@@ -288,10 +312,14 @@ class TargetModel(nn.Module):
         up to `rollback` tokens of the last forward (rejected drafts): sliding-window layers keep their
         keys until the crop, and on transformers >= 5.25 recurrent layers keep their state after each
         of the last `rollback` tokens, which the crop restores (generate/recurrent.py). 0: a cache that
-        only grows, for plain decoding (recording there would keep a state copy per token)."""
+        only grows, for plain decoding (recording there would keep a state copy per token). A cache with a
+        layer transformers cannot crop (DeepSeek-V4's compressed attention) is refused for `rollback`:
+        CropRefused, one line."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        if rollback > 0 and (refused := crop_refusal(self.name, cache)) is not None:
+            raise refused
         if rollback > 0 and hasattr(cache, "activate_past_recording"):
             if _takes_kwargs(cache.activate_past_recording):
                 # 5.25 added the count, defaulting to None, which its recurrent forwards cannot compare
