@@ -101,6 +101,28 @@ def test_features_are_the_aux_states_vllm_records(arch):
             assert (got - streams[L][:, :, s]).abs().max() > 1e-3, (L, s)
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_final_state_is_the_final_norm_of_the_last_mean_only_for_glm5_next(arch):
+    """What an engine's capture reads the labels from (id n and the target's final norm): GLM-5-Next's final
+    state is that (its hc_head is a plain mean); DeepSeek-V4's hc_head weighs the streams by learned gates,
+    so `--engine vllm` is refused for it in one line."""
+    from blockdraft.engines.vllm.capture import check_can_capture
+    from blockdraft.target.layers import final_from_mean_state
+
+    model = tiny(arch)
+    t = TargetModel(model, None, [1])
+    ids = torch.randint(3, V - 1, (1, 12), generator=torch.Generator().manual_seed(2))
+    final = t(ids, return_final_hidden=True).final_hidden
+    with torch.no_grad():
+        from_mean = decoder(model).norm(vllm_streams(model, ids)[-1].mean(dim=2))
+    same = bool(torch.allclose(final, from_mean, rtol=0, atol=1e-5))
+    assert same == final_from_mean_state(model.config) == (arch == "glm5_next")
+    if not same:
+        with pytest.raises(ValueError, match="cannot give .* labels: its last layer's state") as e:
+            check_can_capture(t)
+        assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("arch", [present("glm5_next")])
 def test_greedy_speculative_output_is_the_targets_own_greedy_decode(arch):
     from blockdraft.generate import speculative_generate
