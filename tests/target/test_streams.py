@@ -164,8 +164,8 @@ def test_a_hyper_connection_family_vllm_records_nothing_for_is_refused_in_one_li
 
     if not hasattr(tf, "HYV4Config"):
         pytest.skip("transformers has no HYV4Config")
-    cfg = tf.HYV4Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                        hc_mult=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = tf.HYV4Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=1, hc_mult=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match=r"output 2 residual streams per token \(hyper-connections\), and vLLM 0.33 "

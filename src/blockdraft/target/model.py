@@ -99,8 +99,9 @@ class TargetModel(nn.Module):
         self.num_layers = int(tc.num_hidden_layers)
         self.hidden_size = int(tc.hidden_size)
         if (why := stream_refusal(model.config)) is not None:
-            raise ValueError(f"{name or type(model).__name__}: its decoder layers output {residual_streams(model.config)} "
-                             f"residual streams per token (hyper-connections), and {why}")
+            n = residual_streams(model.config)
+            raise ValueError(f"{name or type(model).__name__}: its decoder layers output {n} residual streams per "
+                             f"token (hyper-connections), and {why}")
         self.streams = residual_streams(model.config)  # hc_mult: a layer's state is its streams' mean (layer_state)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         if layer_ids is None:

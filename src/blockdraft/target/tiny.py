@@ -54,7 +54,8 @@ def tiny_config(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 3
                 **_hybrid_families(tf, common, shape), **_wrapper_families(tf, common, shape),
                 **_stream_families(tf, common, shape)}
     if arch not in builders:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS + WRAPPER_ARCHS + STREAM_ARCHS}")
+        known = ALL_ARCHS + WRAPPER_ARCHS + STREAM_ARCHS
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {known}")
     needs = {**WRAPPER_CLASSES, **STREAM_CLASSES}.get(arch)
     if needs and not hasattr(tf, needs):
         raise ValueError(f"transformers {tf.__version__} has no {needs} (tiny architecture {arch!r})")
