@@ -18,6 +18,7 @@ from blockdraft.target.tiny import WRAPPER_CLASSES, tiny_causal_lm, wrapper_arch
 
 V = 160
 # the families whose decoder layers output one [T, H] state per token; GLM-5-Next's hold hc_mult streams
+# (tests/target/test_streams.py)
 ONE_STREAM = ("mistral4", "kimi_k25", "mistral_large4")
 
 
@@ -103,14 +104,20 @@ def test_head_rows_and_a_head_only_target_read_the_wrappers_own_tensors(arch, tm
 
 
 @pytest.mark.parametrize("arch", [present("glm5_next")])
-def test_hyper_connection_streams_are_refused_in_one_line(arch, tmp_path):
-    """GLM-5-Next's decoder layers output hc_mult residual streams ([T, hc_mult, H]); a drafter reads one
-    [T, H] state per layer, so the target loads (the wrapper's class is found) and is then refused."""
+def test_a_saved_hyper_connection_wrapper_loads_and_reads_its_streams_mean(arch, tmp_path):
+    """GLM-5-Next's decoder layers output hc_mult residual streams ([T, hc_mult, H]); loaded from its directory,
+    id L is the mean of layer L's streams (clause 1; tests/target/test_streams.py compares it with vLLM's rule)
+    and the labels are the wrapper's own logits."""
     ref = saved(arch, tmp_path)
-    assert ref.model.language_model(torch.tensor([[5, 6, 7]]), output_hidden_states=True).hidden_states[1].dim() == 4
-    with pytest.raises(ValueError, match=r"output 2 residual streams per token \(hyper-connections") as e:
-        loaded(tmp_path, [0, 1])
-    assert "\n" not in str(e.value) and not isinstance(e.value, TargetLoadError)
+    t = loaded(tmp_path, [0, 1])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        states = text_model(ref)(ids, output_hidden_states=True).hidden_states
+        want_logits = ref(input_ids=ids).logits
+    assert states[1].dim() == 4 and states[1].shape[2] == 2
+    out = t(ids)
+    torch.testing.assert_close(out.logits, want_logits, rtol=0, atol=0)
+    torch.testing.assert_close(out.features[..., 32:], states[hidden_states_index(1)].mean(dim=2), rtol=0, atol=1e-6)
 
 
 def test_a_target_transformers_cannot_build_fails_to_load_naming_the_cause(tmp_path):

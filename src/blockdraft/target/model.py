@@ -3,8 +3,9 @@
 Legend: Bz batch rows, T tokens, F feature layers, Ht target hidden size, V vocabulary.
 
 Clause 1 owner (with layers.py, where `hidden_states_index` holds the one "+1" between a layer id
-and the transformers `output_hidden_states` tuple): features are captured by forward hooks on the
-chosen decoder layers only, so the other n - F hidden states are never kept.
+and the transformers `output_hidden_states` tuple, and `layer_state` what a layer's output is taken as):
+features are captured by forward hooks on the chosen decoder layers only, so the other n - F hidden states
+are never kept.
 
 Clause 3 owner: `TargetModel.__call__` returns the logits of the model's own forward
 (`model(input_ids).logits`, its own final norm, head and soft-capping), optionally only
@@ -25,7 +26,7 @@ from ..model.linear import few_rows_linear, use_few_rows_linears
 from .family import document_starts, isolates_packed_documents, logit_transform, output_logits
 from .files import default_dtype, pick_mask_token, special_ids, tokenizer_hash
 from .files import head_rows as stored_head_rows
-from .layers import find_decoder_layers, residual_streams, text_config
+from .layers import find_decoder_layers, layer_state, residual_streams, stream_refusal, text_config
 from .load import TargetSource, load_head_only, load_model, random_source, resolve_source, spreads
 
 
@@ -45,6 +46,30 @@ class TargetOutput:
     features: torch.Tensor  # [Bz, T, F*Ht] outputs of the chosen layers, concatenated in config order
     logits: torch.Tensor | None  # [Bz, T, V], or [P, V] at the positions of a boolean logits mask
     final_hidden: torch.Tensor | None = None  # [Bz, T, Ht] after the final norm (head(final_hidden) == logits)
+
+
+class CropRefused(ValueError):
+    """The target's cache cannot take back tokens, so blockdraft's speculative decoding (which crops the
+    rejected drafts after each verification) cannot run it exactly; training does not use a cache."""
+
+
+# what a cache layer that transformers marks not croppable keeps that a crop would not take back, by class
+UNCROPPABLE = {"DeepseekV4HCACache": "its compressor's buffered window, compressed entries and their count",
+               "DeepseekV4CSACache": "its compressor's and indexer's buffered windows, compressed entries and "
+                                     "overlap state"}
+
+
+def crop_refusal(name: str, cache) -> CropRefused | None:
+    """The one-line refusal of a cache (made with past recording) that holds a layer transformers marks not
+    croppable, naming it and what it keeps; None where every layer can take tokens back."""
+    for i, layer in enumerate(getattr(cache, "layers", ())):
+        if getattr(layer, "is_croppable", True) is False:
+            cls = type(layer).__name__
+            keeps = UNCROPPABLE.get(cls, "state")
+            return CropRefused(f"{name}: transformers' cache for its layer {i} ({cls}) cannot be cropped ({keeps} "
+                               "would keep rejected draft tokens), so blockdraft cannot verify drafts exactly; "
+                               "it trains for this target, and a serving engine runs its speculative decoding")
+    return None
 
 
 def is_recording(cache) -> bool:
@@ -73,11 +98,11 @@ class TargetModel(nn.Module):
         tc = text_config(model)
         self.num_layers = int(tc.num_hidden_layers)
         self.hidden_size = int(tc.hidden_size)
-        if (streams := residual_streams(model.config)) > 1:
-            H = self.hidden_size
-            raise ValueError(f"{name or type(model).__name__}: its decoder layers output {streams} residual streams "
-                             f"per token (hyper-connections: [T, {streams}, {H}]), where a drafter reads one [T, {H}] "
-                             "state per layer (clause 2); blockdraft cannot train for it yet")
+        if (why := stream_refusal(model.config)) is not None:
+            n = residual_streams(model.config)
+            raise ValueError(f"{name or type(model).__name__}: its decoder layers output {n} residual streams per "
+                             f"token (hyper-connections), and {why}")
+        self.streams = residual_streams(model.config)  # hc_mult: a layer's state is its streams' mean (layer_state)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         if layer_ids is None:
             layer_ids = default_target_layer_ids(self.num_layers, num_features)
@@ -181,7 +206,7 @@ class TargetModel(nn.Module):
     def _make_hook(self, lid: int):
         def hook(_module, _inputs, output):
             if self._capturing:
-                self._captured[lid] = output[0] if isinstance(output, tuple) else output
+                self._captured[lid] = layer_state(output, self.streams)
         return hook
 
     @torch.no_grad()
@@ -288,10 +313,14 @@ class TargetModel(nn.Module):
         up to `rollback` tokens of the last forward (rejected drafts): sliding-window layers keep their
         keys until the crop, and on transformers >= 5.25 recurrent layers keep their state after each
         of the last `rollback` tokens, which the crop restores (generate/recurrent.py). 0: a cache that
-        only grows, for plain decoding (recording there would keep a state copy per token)."""
+        only grows, for plain decoding (recording there would keep a state copy per token). A cache with a
+        layer transformers cannot crop (DeepSeek-V4's compressed attention) is refused for `rollback`:
+        CropRefused, one line."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        if rollback > 0 and (refused := crop_refusal(self.name, cache)) is not None:
+            raise refused
         if rollback > 0 and hasattr(cache, "activate_past_recording"):
             if _takes_kwargs(cache.activate_past_recording):
                 # 5.25 added the count, defaulting to None, which its recurrent forwards cannot compare

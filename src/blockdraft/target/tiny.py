@@ -28,6 +28,11 @@ WRAPPER_ARCHS = ("mistral4", "kimi_k25", "mistral_large4", "glm5_next")
 WRAPPER_CLASSES = {"mistral4": "Mistral4ForCausalLM", "kimi_k25": "Kimi_K25ForConditionalGeneration",
                    "mistral_large4": "MistralLarge4ForConditionalGeneration",
                    "glm5_next": "Glm5NextForConditionalGeneration"}
+# causal LMs whose decoder layers output hc_mult residual streams (hyper-connections): DeepSeek-V4, with its
+# sliding, compressed-sparse and heavily-compressed attention layers; present where transformers has it.
+# GLM-5-Next (a wrapper above) has them too
+STREAM_ARCHS = ("deepseek_v4",)
+STREAM_CLASSES = {"deepseek_v4": "DeepseekV4ForCausalLM"}
 # norms that scale by 1 + w (around 0 when random); the gated norm inside a DeltaNet scales by w
 _ONE_PLUS_W = ("gemma2", "gemma3", "qwen3_next", "qwen3_5")
 
@@ -46,11 +51,14 @@ def tiny_config(arch: str, *, vocab: int = 160, layers: int = 6, hidden: int = 3
     shape = dict(vocab=vocab, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                  intermediate=intermediate, max_positions=max_positions, hd=head_dim or hidden // heads)
     builders = {**_dense_families(tf, common, shape), **_expert_families(tf, common, shape),
-                **_hybrid_families(tf, common, shape), **_wrapper_families(tf, common, shape)}
+                **_hybrid_families(tf, common, shape), **_wrapper_families(tf, common, shape),
+                **_stream_families(tf, common, shape)}
     if arch not in builders:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS + WRAPPER_ARCHS}")
-    if arch in WRAPPER_CLASSES and not hasattr(tf, WRAPPER_CLASSES[arch]):
-        raise ValueError(f"transformers {tf.__version__} has no {WRAPPER_CLASSES[arch]} (tiny architecture {arch!r})")
+        known = ALL_ARCHS + WRAPPER_ARCHS + STREAM_ARCHS
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {known}")
+    needs = {**WRAPPER_CLASSES, **STREAM_CLASSES}.get(arch)
+    if needs and not hasattr(tf, needs):
+        raise ValueError(f"transformers {tf.__version__} has no {needs} (tiny architecture {arch!r})")
     return builders[arch]()
 
 
@@ -182,6 +190,44 @@ def _wrapper_families(tf, common: dict, s: dict) -> dict:
     }
 
 
+def stream_archs() -> tuple[str, ...]:
+    """The STREAM_ARCHS whose class this transformers has."""
+    import transformers as tf
+
+    return tuple(a for a in STREAM_ARCHS if hasattr(tf, STREAM_CLASSES[a]))
+
+
+def _stream_families(tf, common: dict, s: dict) -> dict:
+    """Builders of the hyper-connection causal LMs' (config, class): DeepSeek-V4 with two streams, its three
+    attention kinds in turn (a sliding window of 8; compressed sparse attention pooling 4 tokens, of which the
+    indexer keeps 2 entries; heavily compressed attention pooling 8) and a hash-routed first MoE layer."""
+    n = s["layers"]
+    kinds = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+    cfg = {k: v for k, v in common.items() if k != "intermediate_size"}
+    return {
+        "deepseek_v4": lambda: (tf.DeepseekV4Config(
+            **{**cfg, "num_key_value_heads": 1}, head_dim=16, q_lora_rank=24, o_groups=2, o_lora_rank=16,
+            moe_intermediate_size=s["hidden"], n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            hc_mult=2, hc_sinkhorn_iters=3, sliding_window=8, index_n_heads=2, index_head_dim=8, index_topk=2,
+            layer_types=[kinds[i % 3] for i in range(n)], mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1),
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            pad_token_id=0, bos_token_id=1, eos_token_id=2), getattr(tf, "DeepseekV4ForCausalLM", None)),
+    }
+
+
+def _mix_streams(name: str, p: torch.Tensor) -> bool:
+    """Give a hyper-connection's weights (DeepSeek-V4's and GLM-5-Next's attn_hc / ffn_hc / hc_head) values
+    that mix the streams unevenly: their own init (zero biases, fn of std 0.02) keeps every stream nearly the
+    same, where taking one stream for their mean would not show. Whether `name` was one."""
+    if not ("_hc." in name or "hc_head." in name):
+        return False
+    if name.endswith(("base", "hc_base")):
+        p.copy_(torch.randn_like(p))
+    elif name.endswith(("fn", "hc_fn")):
+        p.copy_(torch.randn_like(p) * 0.1)
+    return True
+
+
 def tiny_causal_lm(arch: str, *, seed: int = 0, device=None, dtype: torch.dtype | None = None, **shape):
     """A randomly initialised transformers causal LM of the given family and `shape` (tiny_config's
     keywords; eval mode; fp32 on the CPU unless `device`/`dtype` say otherwise: it is built there,
@@ -198,6 +244,8 @@ def tiny_causal_lm(arch: str, *, seed: int = 0, device=None, dtype: torch.dtype 
             torch.set_default_dtype(old)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if _mix_streams(name, p):
+                continue
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if _scales_by_w(name, arch) else 0.0))
             elif arch in MAMBA_ARCHS and name.endswith("dt_bias"):

@@ -58,10 +58,15 @@ def check_can_capture(target, untested: bool = False) -> None:
     """A one-line error where neither the installed vLLM's class for the target nor blockdraft's plugin
     gives its layer states, or where that capture was not measured equal (`untested`: --engine-untested,
     tried anyway)."""
+    from ...target.layers import final_from_mean_state
     from ..base import architectures
     from .consumer import features_capture, not_captured
 
     archs = architectures(target)
+    if not final_from_mean_state(target.model.config):
+        raise ValueError(f"the vLLM engines cannot give {archs[0]}'s labels: its last layer's state (the mean of its "
+                         "hyper-connection streams) is not what its final norm reads (a learned weighing of them), "
+                         "so id n plus the final norm is not its final state; use --engine transformers")
     known, source = features_capture(untested)
     if any(a in known for a in archs):
         return
