@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...config import WINDOW_ANCHOR, DrafterConfig
 from ..base import ANCHOR_RULE_SERVED, Difference, Engine, installed_tree, installed_version
-from .plugin import registry
+from .source import registry
 
 VLLM_READ = "0.32.0"
 VLLM_CAPTURE = frozenset((
@@ -101,7 +101,7 @@ def untested_release(version: str | None) -> str | None:
 def read_tables(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(architectures whose vLLM class implements SupportsEagle3, those blockdraft's plugin gives the
     states to), from a vLLM source tree."""
-    from .plugin import Plan, Source
+    from .source import Plan, Source
 
     models = Path(vllm_dir) / "model_executor" / "models"
     src, native, plugin = Source(models), set(), set()
@@ -125,7 +125,7 @@ def read_plugin_capture(vllm_dir: Path) -> frozenset[str]:
 
 def why_not(vllm_dir: Path, arch: str) -> str:
     """Why neither vLLM's class for `arch` nor blockdraft's plugin gives its layer states ("" if one does)."""
-    from .plugin import Plan, Source
+    from .source import Plan, Source
 
     models = Path(vllm_dir) / "model_executor" / "models"
     entry = registry(models).get(arch)
