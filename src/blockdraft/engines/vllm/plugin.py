@@ -37,7 +37,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from .source import MODELS, TABLES, Plan, Source, can_capture, find_loop, registry  # noqa: F401 (re-exported)
+from .source import (MODELS, PACKAGES, TABLES, Plan, Source, can_capture, find_loop, full_name,  # noqa: F401
+                     registry, short_name)  # (re-exported: the reader's names, as before it moved)
 
 ENV = "BLOCKDRAFT_VLLM_PLUGIN"
 AUX_DIR_ENV = "BLOCKDRAFT_VLLM_AUX_DIR"
@@ -81,6 +82,17 @@ def _written(source: str, name: str) -> Path:
     return path
 
 
+def _models_dir() -> Path:
+    return Path(sys.modules["vllm"].__file__).parent / "model_executor" / "models"
+
+
+def _platform() -> str:
+    """This process's platform as the family packages test it (ROCm's device type is "cuda" too)."""
+    from vllm.platforms import current_platform
+
+    return "rocm" if current_platform.is_rocm() else str(current_platform.device_type)
+
+
 def build(module: str, cls_name: str):
     """The wrapper class with layer states for vLLM's `cls_name` of `module` (in a vLLM process)."""
     import importlib
@@ -88,12 +100,12 @@ def build(module: str, cls_name: str):
 
     from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 
-    mod = importlib.import_module(f"{MODELS}.{module}")
-    outer = getattr(mod, cls_name)
-    plan = Source(Path(mod.__file__).parent).plan(module, cls_name)
+    outer = getattr(importlib.import_module(full_name(module)), cls_name)
+    # planned where this process's class is defined (a family package imports its platform's)
+    plan = Source(_models_dir()).plan(short_name(outer.__module__), outer.__name__)
     if isinstance(plan, str):
         raise ValueError(f"blockdraft's vLLM plugin cannot give {cls_name} its layer states: {plan}")
-    inner = getattr(importlib.import_module(f"{MODELS}.{plan.inner_module}"), plan.inner)
+    inner = getattr(importlib.import_module(full_name(plan.inner_module)), plan.inner)
     attrs = {"__module__": __name__, "__qualname__": f"{cls_name}WithStates", "supports_eagle3": True}
     if plan.rewrite:
         fwd = inner.forward
@@ -136,14 +148,13 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    models = Path(sys.modules["vllm"].__file__).parent / "model_executor" / "models"
+    source = Source(_models_dir(), _platform())
     for arch in json.loads(spec).get("architectures", []):
         entry = ModelRegistry.models.get(arch)
         module, cls = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
-        if module is None or not module.startswith(MODELS + ".") or cls is None:
+        if module is None or not module.startswith((MODELS + ".", PACKAGES + ".")) or cls is None:
             continue  # already ours (plugins load more than once), or not one of vLLM's own modules
-        short = module[len(MODELS) + 1:]
-        source = Source(models)
+        short = short_name(module)
         if source.supports_eagle3(short, cls):
             continue  # vLLM's own class captures
         plan = source.plan(short, cls)

@@ -9,7 +9,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-MODELS = "vllm.model_executor.models"
+MODELS = "vllm.model_executor.models"  # vLLM's first layout: one module per family
+PACKAGES = "vllm.models"  # vLLM 0.33's: a package per family, a folder per platform inside
+PLATFORM = "cuda"  # the platform whose branches the reader follows unless told another (the engines' GPUs)
 
 
 @dataclass(frozen=True)
@@ -33,21 +35,85 @@ def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
     return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
 
 
-def _imports(tree: ast.Module, package: str) -> dict[str, str]:
-    """name -> the vLLM model module it is imported from (relative or absolute); `package`: the
-    package of the module read ("" for the models folder itself)."""
-    out = {}
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.level == 1:
-                mod = f"{package}.{node.module}" if package else node.module
-            elif node.level == 0 and node.module.startswith(MODELS + "."):
-                mod = node.module[len(MODELS) + 1:]
-            else:
-                continue
-            for a in node.names:
-                out[a.asname or a.name] = mod
-    return out
+def short_name(module: str) -> str:
+    """A model module as the reader names it: relative to `MODELS` where it lies there (vLLM's first
+    layout, "llama"), else fully qualified (vLLM 0.33's per-family packages, "vllm.models.deepseek_v4")."""
+    return module[len(MODELS) + 1:] if module.startswith(MODELS + ".") else module
+
+
+def full_name(module: str) -> str:
+    """The importable name of a model module the reader names (`short_name`'s inverse)."""
+    return module if module.startswith("vllm.") else f"{MODELS}.{module}"
+
+
+def _is_model_module(full: str) -> bool:
+    return full.startswith(MODELS + ".") or full.startswith(PACKAGES + ".")
+
+
+def _imported_from(node: ast.ImportFrom, package: str) -> str | None:
+    """The model module an import names (`short_name`), relative (any level) or absolute; None for a
+    module outside vLLM's model code or an import of a module itself (`from . import x`)."""
+    if not node.module:
+        return None
+    if node.level == 0:
+        full = node.module
+    else:
+        parts = full_name(package).split(".") if package else MODELS.split(".")
+        if node.level - 1 >= len(parts):
+            return None
+        full = ".".join(parts[:len(parts) - (node.level - 1)] + [node.module])
+    return short_name(full) if _is_model_module(full) else None
+
+
+def _truth(test: ast.expr, platform: str, checking: bool) -> bool | None:
+    """What an `if` test at a model module's top level is on `platform`: `current_platform.is_X()`,
+    `current_platform.device_type == "x"`, `TYPE_CHECKING` (`checking`), not/and/or of those; None when
+    the reader cannot tell."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        got = _truth(test.operand, platform, checking)
+        return None if got is None else not got
+    if isinstance(test, ast.BoolOp):
+        got = [_truth(v, platform, checking) for v in test.values]
+        want = isinstance(test.op, ast.Or)
+        return want if want in got else (None if None in got else not want)
+    text = ast.unparse(test)
+    if text.endswith("TYPE_CHECKING"):
+        return checking
+    if isinstance(test, ast.Call) and text.startswith("current_platform.is_") and text.endswith("()"):
+        asked = text[len("current_platform.is_"):-2]
+        return platform in ("cuda", "rocm") if asked == "cuda_alike" else asked == platform
+    if (isinstance(test, ast.Compare) and ast.unparse(test.left) == "current_platform.device_type"
+            and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)):
+        same = test.comparators[0].value == ("cuda" if platform == "rocm" else platform)
+        return same if isinstance(test.ops[0], ast.Eq) else not same if isinstance(test.ops[0], ast.NotEq) else None
+    return None
+
+
+def _imports(tree: ast.Module, package: str, platform: str = PLATFORM) -> dict[str, tuple[str, str]]:
+    """name -> (the model module it is imported from, its name there), for the statements a process on
+    `platform` runs at the module's top level: `if` branches taken as `_truth` says (both where it cannot
+    tell, the `if` branch winning), a `try` block's body. vLLM 0.33's family packages import a class in
+    the branch of their platform, some only under TYPE_CHECKING (their `__getattr__` hands it out lazily):
+    a name the run does not bind is read again with TYPE_CHECKING true. `package`: the package of the
+    module read ("" for the models folder itself)."""
+
+    def walk(stmts, out, checking):
+        for node in stmts:
+            if isinstance(node, ast.ImportFrom):
+                mod = _imported_from(node, package)
+                for a in node.names if mod else ():
+                    out[a.asname or a.name] = (mod, a.name)
+            elif isinstance(node, ast.If):
+                took = _truth(node.test, platform, checking)
+                if took is None:
+                    walk(node.orelse, out, checking)
+                walk(node.body if took in (True, None) else node.orelse, out, checking)
+            elif isinstance(node, ast.Try):
+                walk(node.body, out, checking)
+        return out
+
+    run = walk(tree.body, {}, False)
+    return {**walk(tree.body, {}, True), **run}
 
 
 def _model_call(init: ast.FunctionDef) -> str | None:
@@ -123,12 +189,16 @@ def _passes_through(fn: ast.FunctionDef | None) -> bool:
 class Source:
     """vLLM's model modules read as text (an installed tree, without importing vLLM)."""
 
-    def __init__(self, models_dir: str | os.PathLike):
-        self.dir, self.trees = Path(models_dir), {}
+    def __init__(self, models_dir: str | os.PathLike, platform: str = PLATFORM):
+        self.dir, self.trees, self.platform = Path(models_dir), {}, platform
 
     def _path(self, module: str) -> tuple[Path, str] | None:
-        """(file, its package) of a model module ("a.b": a/b.py or a/b/__init__.py)."""
-        base = self.dir.joinpath(*module.split("."))
+        """(file, its package) of a model module ("a.b": a/b.py or a/b/__init__.py under the models folder;
+        "vllm.x.y": vllm/x/y.py or vllm/x/y/__init__.py of the tree the models folder is in)."""
+        if module.startswith("vllm."):
+            base = self.dir.parent.parent.joinpath(*module.split(".")[1:])
+        else:
+            base = self.dir.joinpath(*module.split("."))
         if base.with_suffix(".py").exists():
             return base.with_suffix(".py"), module.rpartition(".")[0]
         if (base / "__init__.py").exists():
@@ -149,8 +219,8 @@ class Source:
         found = _classes(tree).get(name)
         if found is not None:
             return module, found
-        mod = _imports(tree, self._path(module)[1]).get(name)
-        return self.resolve(mod, name, depth + 1) if mod else None
+        got = _imports(tree, self._path(module)[1], self.platform).get(name)
+        return self.resolve(got[0], got[1], depth + 1) if got else None
 
     def method(self, module: str, cls: ast.ClassDef, name: str, depth: int = 0):
         """(module, function node) of a method, looked up through the class's bases."""
@@ -182,7 +252,7 @@ class Source:
         """What the plugin does for wrapper class `cls_name` of `module`, or why it cannot."""
         got = self.resolve(module, cls_name)
         if got is None:
-            return f"{cls_name} is not in vLLM's {module}.py"
+            return f"{cls_name} is not in vLLM's {module if module.startswith('vllm.') else module + '.py'}"
         mod, cls = got
         init = self.method(mod, cls, "__init__")
         inner = _model_call(init[1]) if init else None
@@ -231,7 +301,9 @@ TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS", "_TRANSFORMERS_SUPPOR
 
 def registry(models: Path) -> dict[str, tuple[str, str]]:
     """HF architecture -> (module, class) of the tables that generate text (`TABLES`), a later table
-    naming an architecture again winning, as in vLLM's merged registry (`_VLLM_MODELS`)."""
+    naming an architecture again winning, as in vLLM's merged registry (`_VLLM_MODELS`). A module is
+    named relative to the models folder, or in full where it lies elsewhere (`short_name`: vLLM 0.33's
+    registry names its family packages so, "vllm.models.deepseek_v4")."""
     tree = ast.parse((models / "registry.py").read_text())
     out = {}
     for node in tree.body:
@@ -240,5 +312,18 @@ def registry(models: Path) -> dict[str, tuple[str, str]]:
         if name in TABLES and isinstance(node.value, ast.Dict):
             for k, v in zip(node.value.keys, node.value.values):
                 if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) >= 2:
-                    out[k.value] = (v.elts[0].value, v.elts[1].value)
+                    out[k.value] = (short_name(v.elts[0].value), v.elts[1].value)
     return out
+
+
+def read_tables(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """(architectures whose vLLM class implements SupportsEagle3, those blockdraft's plugin gives the
+    states to), from a vLLM source tree."""
+    models = Path(vllm_dir) / "model_executor" / "models"
+    src, native, plugin = Source(models), set(), set()
+    for arch, (mod, cls) in registry(models).items():
+        if src.supports_eagle3(mod, cls):
+            native.add(arch)
+        elif isinstance(src.plan(mod, cls), Plan):
+            plugin.add(arch)
+    return frozenset(native), frozenset(plugin)
