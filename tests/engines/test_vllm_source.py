@@ -113,5 +113,6 @@ def test_the_tables_hold_both_layouts_classes(tmp_path):
 
 def test_a_class_the_package_does_not_import_is_named_with_its_package(tmp_path):
     models = tree(tmp_path) / "model_executor" / "models"
-    assert Source(models).plan("vllm.models.fam", "NoneForCausalLM") == "NoneForCausalLM is not in vLLM's vllm.models.fam"
+    got = Source(models).plan("vllm.models.fam", "NoneForCausalLM")
+    assert got == "NoneForCausalLM is not in vLLM's vllm.models.fam"
     assert Source(models).plan("old", "NoneForCausalLM") == "NoneForCausalLM is not in vLLM's old.py"
