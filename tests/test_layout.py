@@ -13,7 +13,7 @@ ROOT = Path(blockdraft.__file__).parent
 # DESIGN.md section 3, lowest first; a unit may import units of its own layer or below.
 LAYERS = (
     # no blockdraft algorithm
-    ("__init__", "options", "process_group", "finite", "preempt", "checks"),
+    ("__init__", "options", "process_group", "finite", "preempt", "checks", "releases"),
     ("rundir",),  # a command's output directory: ownership, locks, swaps, the trainer's state, retention
     ("config",),  # the drafter's side of the contract
     ("model", "target", "checkpoint", "pairing"),  # the two models and their files

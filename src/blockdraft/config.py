@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .releases import (LLAMACPP_RELEASE, MODELOPT_RELEASE, SGLANG_RELEASE, SPECFORGE_RELEASE, SPECULATORS_RELEASE,
+                       VLLM_SERIES)
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 FORMAT_VERSION = 1
@@ -27,7 +30,7 @@ WINDOW_RULES = (WINDOW_QUERY, WINDOW_ANCHOR)
 DEFAULT_WINDOW_RULE = WINDOW_QUERY
 # Drafter kinds (DESIGN.md section 2): the DFlash backbone alone, plus DSpark's Markov and confidence
 # heads, DFlash2's convolutions and candidate selector, LiLiCorr's candidate-lattice correlator, or
-# Domino's GRU correction. Each kind's fields and their defaults (speculators 0.9.0's where it has the
+# Domino's GRU correction. Each kind's fields and their defaults (speculators' where it has the
 # kind); a field of another kind must stay unset. The modules are in model/kinds/.
 KINDS = ("dflash", "dspark", "dflash2", "lilicorr", "domino")
 # kind fields that may be 0 (off, or "the drafter's width"), per kind
@@ -37,12 +40,12 @@ KIND_FIELDS = {
     "dflash": {},
     "dspark": {"markov_rank": 256, "confidence_head": True},
     "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
-    # LiLiCorr (vLLM 0.32's dflash_config names): conv 0/0 = no convolution; hidden 0 = the drafter's
+    # LiLiCorr (vLLM's dflash_config names): conv 0/0 = no convolution; hidden 0 = the drafter's
     "lilicorr": {"conv_kernel_size": 0, "conv_group_size": 0, "lilicorr_candidate_topk": 8, "lilicorr_hidden_size": 0,
                  "lilicorr_num_layers": 2, "lilicorr_num_heads": 4, "lilicorr_mlp_ratio": 2.0,
                  "lilicorr_factor_dim": 64, "lilicorr_vector_eps": 1e-6, "lilicorr_logit_scale": 10.0},
-    # Domino: Model-Optimizer 0.47.0's recipe widths (speculative_decoding/domino.yaml; SpecForge has no default),
-    # SpecForge 0.2.0's prefix (0 under shift_label false) and lambda schedule (lambda_base_start, _decay_ratio)
+    # Domino: Model-Optimizer's recipe widths (speculative_decoding/domino.yaml; SpecForge has no default),
+    # SpecForge's prefix (0 under shift_label false) and lambda schedule (lambda_base_start, _decay_ratio)
     "domino": {"emb_dim": 256, "gru_hidden_dim": 1024, "pure_draft_prefix_len": 0, "lambda_base_start": 1.0,
                "lambda_base_decay_ratio": 0.5},
 }
@@ -50,19 +53,22 @@ KIND_FIELDS = {
 # so every command that builds, continues, loads or converts one, and train's --draft-vocab auto, which
 # resolves to the full vocabulary for these kinds), and the export formats no reader has it in (`kind_refusal`).
 FULL_VOCAB_ONLY = {
-    "lilicorr": "LiLiCorr's candidates come from the full vocabulary (vLLM 0.32 refuses a draft vocabulary for it)",
+    "lilicorr": f"LiLiCorr's candidates come from the full vocabulary (vLLM {VLLM_SERIES} refuses a draft "
+                "vocabulary for it)",
     "domino": "Domino's correction scores the full vocabulary (SpecForge's and Model-Optimizer's embed_proj has "
               "one row per target token, so the z-lab directory, train's own, has no place for a draft vocabulary)",
 }
 NO_FORMAT = {  # kind -> {format: which reader has no such drafter}
-    "lilicorr": {"speculators": "speculators 0.9.0 has no LiLiCorr", "gguf": "llama.cpp b11434 has no LiLiCorr"},
-    "domino": {"speculators": "speculators 0.9.0 has no Domino drafter (its issue #773 is open)",
-               "gguf": "llama.cpp b11434 has no Domino drafter (no GRU correction in its DFlash graph)"},
+    "lilicorr": {"speculators": f"speculators {SPECULATORS_RELEASE} has no LiLiCorr",
+                 "gguf": f"llama.cpp {LLAMACPP_RELEASE} has no LiLiCorr"},
+    "domino": {"speculators": f"speculators {SPECULATORS_RELEASE} has no Domino drafter (its issue #773 is open)",
+               "gguf": f"llama.cpp {LLAMACPP_RELEASE} has no Domino drafter (no GRU correction in its DFlash graph)"},
 }
 WRITE_INSTEAD = {  # kind -> where its files go instead
-    "lilicorr": "export it --to zlab, the directory vLLM 0.32 serves it from (its V2 GPU runner)",
-    "domino": "export it --to zlab, the DominoDraftModel layout SpecForge 0.2.0 and Model-Optimizer 0.47.0 read "
-              "(no serving engine blockdraft has read runs Domino: not vLLM 0.32, SGLang 0.5.23 or llama.cpp)",
+    "lilicorr": f"export it --to zlab, the directory vLLM {VLLM_SERIES} serves it from (its V2 GPU runner)",
+    "domino": f"export it --to zlab, the DominoDraftModel layout SpecForge {SPECFORGE_RELEASE} and Model-Optimizer "
+              f"{MODELOPT_RELEASE} read (no serving engine blockdraft has read runs Domino: not vLLM {VLLM_SERIES}, "
+              f"SGLang {SGLANG_RELEASE} or llama.cpp)",
 }
 
 
@@ -275,7 +281,7 @@ class DrafterConfig:
             self._validate_lilicorr(need)
 
     def _validate_lilicorr(self, need) -> None:
-        """vLLM 0.32's own checks (models/lilicorr.py), said before a run rather than at serving."""
+        """vLLM's own checks (models/lilicorr.py), said before a run rather than at serving."""
         k, h = self.lilicorr_candidate_topk, self.lilicorr_hidden_size or self.hidden_size
         need(k <= 16 and k & (k - 1) == 0, f"lilicorr_candidate_topk must be a power of two <= 16, got {k}")
         need(bool(self.conv_kernel_size) == bool(self.conv_group_size),

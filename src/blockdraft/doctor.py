@@ -184,7 +184,7 @@ def check_engines(drafter) -> Check:
 
 
 def lilicorr_problems(drafter) -> list[str]:
-    """LiLiCorr's terms as vLLM 0.32 builds and checks them: K a power of two <= 16, the full vocabulary,
+    """LiLiCorr's terms as vLLM builds and checks them: K a power of two <= 16, the full vocabulary,
     the correlator's block-shaped tensors for this block size, and both convolution fields or neither."""
     c, cor = drafter.config, drafter.lilicorr
     K, B, out = c.lilicorr_candidate_topk, c.block_size, []

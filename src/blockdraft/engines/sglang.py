@@ -1,5 +1,5 @@
 """SGLang as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): it reads the
-z-lab layout and serves DFlash drafters only (0.5.23), for the HF architectures below.
+z-lab layout and serves DFlash drafters only (`SGLANG_READ`), for the HF architectures below.
 
 SGLang's DFlash worker asks the target model for its drafter's context once, before CUDA graphs
 are captured: the model runner calls `model.set_dflash_layers_to_capture(layer_ids)` when the
@@ -14,7 +14,7 @@ registry's classes, and whether each defines the method or inherits it through i
 the modules they are imported from. Without SGLang it falls back on `SGLANG_CAPTURE`, read that
 way from sglang SGLANG_READ (SGLANG_PROVENANCE; `python -m blockdraft.engines.sglang PATH/TO/sglang` prints it again).
 
-What SGLang 0.5.23's DFlash draft model (srt/models/dflash.py, srt/speculative/dflash_utils.py) takes
+What SGLang's DFlash draft model (srt/models/dflash.py, srt/speculative/dflash_utils.py) takes
 from a drafter's config: `layer_types` with "sliding_attention" layers and `sliding_window` (the HF
 convention, current token included); in-block attention bidirectional by default for full layers and
 causal by default for sliding ones, `is_causal` in the config deciding for all; no head of its own: it
@@ -29,10 +29,11 @@ import sys
 from pathlib import Path
 
 from ..config import WINDOW_ANCHOR, DrafterConfig
+from ..releases import SGLANG_RELEASE
 from .base import ANCHOR_RULE_SERVED, Difference, Engine, ignores_draft_vocab, installed_tree, installed_version
 
 CAPTURE_METHOD = "set_dflash_layers_to_capture"
-SGLANG_READ = "0.5.23"
+SGLANG_READ = SGLANG_RELEASE
 SGLANG_PROVENANCE = (f"sglang {SGLANG_READ}: its release wheel (cp311 manylinux_2_34, files dated 2026-10-30, "
                      "sha256 00b3cd5b265a...); the wheel records no git commit, and the repository's snapshot "
                      "was too large to bring here")

@@ -7,9 +7,10 @@ transformers, so any target transformers loads can hand it hidden states.
 from __future__ import annotations
 
 from ..config import WINDOW_QUERY, DrafterConfig
+from ..releases import SPECULATORS_RELEASE
 from .base import Difference, Engine
 
-SPECULATORS_READ = "0.9.0"
+SPECULATORS_READ = SPECULATORS_RELEASE
 
 
 def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
@@ -22,18 +23,18 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
                                                     "(every slot sees a - W <= p < a); this drafter uses the "
                                                     "query rule that vLLM serves"))
     if cfg.kind == "lilicorr":
-        out.append(Difference("speculators", False, "has no LiLiCorr (0.9.0): the export is refused"))
+        out.append(Difference("speculators", False, f"has no LiLiCorr ({SPECULATORS_READ}): the export is refused"))
     if cfg.kind == "dflash2" and cfg.draft_vocab_size:
         out.append(Difference("speculators", False, "its DFlash2 requires the full target vocabulary "
                                                     "(models/dflash2/core.py): this drafter has a draft vocabulary, "
                                                     "so the export is refused"))
     if cfg.kind == "domino":
-        out.append(Difference("speculators", False, "speculators 0.9.0 has no Domino (its issue #773): the export "
-                                                    "is refused"))
+        out.append(Difference("speculators", False, f"speculators {SPECULATORS_READ} has no Domino (its issue #773): "
+                                                    "the export is refused"))
     return out
 
 ENGINE = Engine(
     name="speculators", release=f"speculators {SPECULATORS_READ}", formats=("speculators",),
     kinds={"dflash": "", "dspark": "", "dflash2": "full vocabulary only"}, quirks=quirks,
-    refused_kinds={"lilicorr": "no LiLiCorr in 0.9.0", "domino": "no Domino (its issue #773)"},
+    refused_kinds={"lilicorr": f"no LiLiCorr in {SPECULATORS_READ}", "domino": "no Domino (its issue #773)"},
 )

@@ -14,6 +14,7 @@ from ..config import FULL_VOCAB_ONLY, KIND_FIELDS, KINDS, WINDOW_QUERY, WINDOW_R
 KIND_FLAGS = ("markov_rank", "selector_rank", "selector_top_k", "lilicorr_candidate_topk", "lilicorr_num_layers",
               "conv_kernel_size", "conv_group_size", "emb_dim", "gru_hidden_dim")
 from ..options import existing, opt
+from ..releases import VLLM_SERIES
 from ..target.family import final_norm, mlp_activation, pre_mlp_norm, rms_norm_scale
 from ..target.layers import find_decoder_layers
 from ..target.shard import gathered
@@ -47,10 +48,10 @@ class DrafterOptions:
     kind: str | None = opt(None, "drafter kind: dflash; dspark (+ a Markov bias on each slot from the token before "
                                  "it, + a confidence head); dflash2 (+ in-block convolutions, + a top-K candidate "
                                  "selector); lilicorr (+ a correlator over each slot's top-K candidates, walked as "
-                                 "vLLM 0.32 does; convolutions with --conv-kernel-size); domino (+ a GRU correction "
-                                 "of each slot's logits from the block's tokens before it). With --init-drafter a "
-                                 "DFlash drafter becomes this kind, starting as its exact function (default: dflash, "
-                                 "or the drafter's own)", choices=KINDS)
+                                 f"vLLM {VLLM_SERIES} does; convolutions with --conv-kernel-size); domino (+ a GRU "
+                                 "correction of each slot's logits from the block's tokens before it). With "
+                                 "--init-drafter a DFlash drafter becomes this kind, starting as its exact function "
+                                 "(default: dflash, or the drafter's own)", choices=KINDS)
     markov_rank: int | None = opt(None, "dspark: rank of the Markov bias (0: none) (default: 256)", min=0)
     selector_rank: int | None = opt(None, "dflash2: rank of the candidate selector (default: 256)", min=1)
     selector_top_k: int | None = opt(None, "dflash2: candidates per slot (default: 16)", min=1)

@@ -22,7 +22,7 @@ from ...config import FORMAT_VERSION, DrafterConfig
 QWEN3_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "attention_bias",
                 "hidden_act", "layer_types", "sliding_window", "vocab_size")
-# LiLiCorr's fields (config.KIND_FIELDS), under vLLM 0.32's names
+# LiLiCorr's fields (config.KIND_FIELDS), under vLLM's names
 LILICORR_FIELDS = ("conv_kernel_size", "conv_group_size", "lilicorr_candidate_topk", "lilicorr_hidden_size",
                    "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim",
                    "lilicorr_vector_eps", "lilicorr_logit_scale")
@@ -95,14 +95,14 @@ def read_own(d: dict, defaults: dict) -> dict:
 
 
 # The newer drafter kinds (DESIGN.md section 2, config.KIND_FIELDS) as their consumers name them.
-DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel", "DSparkSpeculator")  # llama.cpp b11434's DSparkModel
+DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel", "DSparkSpeculator")  # llama.cpp's DSparkModel
 DFLASH2_ARCH = "DFlash2DraftModel"  # speculators, z-lab's dflash, vLLM and llama.cpp
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-LILICORR_ARCH = "LiLiCorrDraftModel"  # vLLM 0.32 (registry.py: lilicorr.LiLiCorrForCausalLM)
+LILICORR_ARCH = "LiLiCorrDraftModel"  # vLLM (registry.py: lilicorr.LiLiCorrForCausalLM)
 
 
 def dspark_fields(cfg: DrafterConfig) -> dict:
-    """DSpark's fields as speculators 0.9.0 writes them (models/dspark/config.py) and llama.cpp's
+    """DSpark's fields as speculators writes them (models/dspark/config.py) and llama.cpp's
     converter and vLLM read them: the vanilla (first-order) Markov head, a confidence head over
     [hidden; W1[prev]] (blockdraft has no other), and the DFlash convention (slot 0 predicts nothing)."""
     return {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
@@ -136,7 +136,7 @@ def check_sample_from_anchor(d: dict, default: bool, reader: str) -> None:
 
 
 def lilicorr_fields(cfg: DrafterConfig) -> dict:
-    """LiLiCorr's `dflash_config` fields as vLLM 0.32 reads them (models/lilicorr.py LiLiCorr, LiLiCorrHead)."""
+    """LiLiCorr's `dflash_config` fields as vLLM reads them (models/lilicorr.py LiLiCorr, LiLiCorrHead)."""
     return {"lilicorr_enabled": True, **{k: getattr(cfg, k) for k in LILICORR_FIELDS}}
 
 
@@ -149,12 +149,12 @@ def read_lilicorr(dc: dict) -> dict:
     return {"kind": "lilicorr", **{k: dc[k] for k in LILICORR_FIELDS if dc.get(k) is not None}}
 
 
-DOMINO_ARCH = "DominoDraftModel"  # SpecForge 0.2.0 and Model-Optimizer 0.47.0's export
+DOMINO_ARCH = "DominoDraftModel"  # SpecForge's and Model-Optimizer's export
 DOMINO_FIELDS = ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len")
 
 
 def domino_fields(cfg: DrafterConfig) -> dict:
-    """Domino's fields inside `dflash_config`, as SpecForge 0.2.0's DominoDraftModel reads them; shift_label
+    """Domino's fields inside `dflash_config`, as SpecForge's DominoDraftModel reads them; shift_label
     false is blockdraft's convention (slot k predicts the token at anchor + k), said out loud."""
     return {"projector_type": "domino", **{k: getattr(cfg, k) for k in DOMINO_FIELDS}, "shift_label": False}
 

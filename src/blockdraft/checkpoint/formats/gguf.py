@@ -1,5 +1,6 @@
 """llama.cpp's DFlash drafter: one GGUF file of architecture `dflash` (read by `src/models/dflash.cpp`
-and `common/speculative.cpp` of llama.cpp b11434; DESIGN.md section 5 has what they compute).
+and `common/speculative.cpp` of llama.cpp `releases.LLAMACPP_RELEASE`;
+docs/consumers.md, "llama.cpp", has what they compute).
 
 What the file says, and why:
 
@@ -18,7 +19,7 @@ What the file says, and why:
   scatters the draft logits onto) with the head's draft rows as `output.weight`, read from the
   target GGUF itself. Norm gains are stored in fp32, matrices in the drafter's dtype.
 
-The newer kinds are the same architecture with more tensors (DESIGN.md section 2; names from
+The newer kinds are the same architecture with more tensors (docs/consumers.md; names from
 `src/llama-arch.cpp:727-736`, shapes from `src/models/dflash.cpp` `load_arch_tensors`):
 
 - DSpark (`markov_w1.weight` marks it, dflash.cpp:124-137): `markov_w1.weight` [V, r] (ggml
@@ -280,7 +281,7 @@ def _tensors(sd: dict, cfg: DrafterConfig, reader) -> list[tuple]:
 
 
 def check_kind(cfg: DrafterConfig) -> None:
-    """A kind llama.cpp b11434 has no drafter for is refused in one line (`config.kind_refusal`), before
+    """A kind llama.cpp has no drafter for is refused in one line (`config.kind_refusal`), before
     anything else is weighed."""
     refused = kind_refusal(cfg.kind, "gguf")
     if refused:

@@ -9,7 +9,7 @@ setting for every layer; speculators applies it to sliding layers only.
 Weights: a draft vocabulary leaves as `d2t`, `t2d` [V] bool and the head's draft rows
 (`lm_head.weight`): speculators and vLLM both load a reduced head from the file.
 
-Kinds (`speculators_model_type`), as speculators 0.9.0's own save_pretrained writes them:
+Kinds (`speculators_model_type`), as speculators' own save_pretrained writes them:
 `dflash` (architectures DFlashSpeculator); `dspark` (DSparkSpeculator, + markov_rank,
 markov_head_type, enable_confidence_head, confidence_head_with_markov); `dflash2` (DFlash2DraftModel,
 + conv_kernel_size, conv_group_size, selector_rank, selector_top_k; the full target vocabulary

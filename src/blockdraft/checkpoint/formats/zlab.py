@@ -11,16 +11,16 @@ Weights: native names; a draft vocabulary leaves as `d2t` offsets and the head's
 
 Kinds: LiLiCorr is `["LiLiCorrDraftModel"]` with lilicorr_enabled, the lilicorr_* fields,
 conv_kernel_size / conv_group_size (0 / 0: no convolution) and block_size inside `dflash_config`, where
-vLLM 0.32 reads them (models/lilicorr.py). DFlash2 is `architectures: ["DFlash2DraftModel"]` with conv_kernel_size, conv_group_size,
-selector_rank and selector_top_k inside `dflash_config` (where z-lab's dflash, vLLM and llama.cpp's
+vLLM reads them (models/lilicorr.py). DFlash2 is `architectures: ["DFlash2DraftModel"]` with conv_kernel_size,
+conv_group_size, selector_rank and selector_top_k inside `dflash_config` (where z-lab's dflash, vLLM and llama.cpp's
 converter read them); DSpark is `["DSparkDraftModel"]` with markov_rank, markov_head_type,
 enable_confidence_head, confidence_head_with_markov and sample_from_anchor at the top (what
 llama.cpp's converter `DSparkModel` and vLLM read; the converter takes a missing sample_from_anchor
-for true), and the head fields again inside `dflash_config`, where SpecForge 0.2.0's
+for true), and the head fields again inside `dflash_config`, where SpecForge's
 DSparkDraftModel reads them (`SPECFORGE_DSPARK`; it reads nothing at the top, and without them builds
 neither head and drops their weights). Reading takes the top-level fields and refuses a config whose
 two copies disagree. Domino is `["DominoDraftModel"]` with projector_type "domino", emb_dim,
-gru_hidden_dim, pure_draft_prefix_len and shift_label false inside `dflash_config` (SpecForge 0.2.0's
+gru_hidden_dim, pure_draft_prefix_len and shift_label false inside `dflash_config` (SpecForge's
 DominoDraftModel reads them there), its weights under SpecForge's names (`prefix_gru.*`, `embed_proj.*`).
 """
 
@@ -58,7 +58,7 @@ def kind_of(d: dict) -> str:
     return "dflash"
 
 
-# The DSpark fields SpecForge 0.2.0 reads from `dflash_config` (modeling/draft/dspark.py): the head
+# The DSpark fields SpecForge reads from `dflash_config` (modeling/draft/dspark.py): the head
 # fields under the names and values speculators uses at the top, plus `attention_mode`, which its
 # DSparkDraftModel checks against the head counts ("gqa" unless asked: "mha" must be said).
 SPECFORGE_DSPARK = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")

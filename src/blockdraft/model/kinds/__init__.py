@@ -12,7 +12,7 @@ ask the kind; none of them tests which kind it is.
 - dflash2 (`dflash2.py`): + in-block causal convolutions around every attention and MLP sublayer,
   + a candidate selector over each slot's top K, walked greedily from the verified token.
 - lilicorr (`lilicorr.py`): (optionally DFlash2's convolutions) + a correlator over the lattice of each
-  slot's top K candidates, whose start and pair scores are walked greedily (vLLM 0.32's LiLiCorr).
+  slot's top K candidates, whose start and pair scores are walked greedily (vLLM's LiLiCorr).
 - domino (`domino.py`): + a GRU over the block's tokens before each slot (the anchor first) whose state,
   with the slot's row, adds a correction to its logits, walked left to right from the verified token.
 

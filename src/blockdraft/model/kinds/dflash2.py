@@ -8,10 +8,10 @@ never reads a later slot's.
 
 Selector: each slot's K candidates are the top K of its draft logits; a candidate's score is its logit
 + <P[prev] * G h, S[candidate]>, P and S codebooks over the target vocabulary [V, r], G a projection
-[r, Hd] of the slot's final-normed row. Drafting walks it greedily from the verified token (llama.cpp
-b11434); sampling draws from the softmax of the K scores, the distribution verification then uses.
+[r, Hd] of the slot's final-normed row. Drafting walks it greedily from the verified token (llama.cpp's
+walk); sampling draws from the softmax of the K scores, the distribution verification then uses.
 Training adds a K-way cross-entropy over the candidates with the data's previous tokens, the
-target's argmax put in place of the K-th candidate when it is not among them (speculators 0.9.0).
+target's argmax put in place of the K-th candidate when it is not among them (speculators').
 
 Names and shapes are speculators': `layers.N.{attention,mlp}_conv.base_kernel` [2, k, Hd] and
 `.kernel_projection.weight` [2 k Hd/g, Hd], `candidate_selector.{predecessor,successor}_codebook`

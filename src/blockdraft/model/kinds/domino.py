@@ -3,8 +3,8 @@
 Slot k (k >= 1 + pure_draft_prefix_len) scores head(h_k) + embed_proj([h_k ; g_k]), where g_k is the
 state of a bias-free GRU that has read the target's (raw) embedding rows of the block's tokens
 a, a+1, ..., a+k-1 (the anchor first); slots 1..pure_draft_prefix_len keep the head's logits alone.
-This is SpecForge 0.2.0's DominoDraftModel with `shift_label: false` (slot k predicts the token at
-a + k, slot 0 predicts nothing: blockdraft's convention). In training the tokens are the data's
+This is SpecForge's DominoDraftModel (the release in `releases.py`) with `shift_label: false` (slot k
+predicts the token at a + k, slot 0 predicts nothing: blockdraft's convention). In training the tokens are the data's
 (teacher forcing); when drafting, the verified token and then each slot's own draft (greedy: its
 argmax; sampling: the token drawn from the corrected distribution), walked left to right.
 

@@ -1,8 +1,8 @@
 """DSpark: the DFlash backbone + a Markov bias on each slot's logits + a confidence head.
 
 Slot k's logits are the head's + W2 W1[prev], where prev is the token before slot k: in training the
-data's token (teacher forcing, as speculators 0.9.0 trains it), when drafting the previous slot's own
-draft, starting from the verified token (llama.cpp b11434's greedy chain; a sampled draft when
+data's token (teacher forcing, as speculators trains it), when drafting the previous slot's own
+draft, starting from the verified token (llama.cpp's greedy chain; a sampled draft when
 sampling, as vLLM's V2 proposer does). The confidence head predicts each slot's acceptance,
 sigmoid(proj [h; W1[prev]]), trained by BCE against 1 - TV(draft, target) with the target detached.
 

@@ -11,12 +11,12 @@ final norm. The anchor (the drafter's context row of the last accepted token: hi
 features)), zero when there is none) is projected and normed; each candidate's factor row is
 silu(W [x, a, x*a] + b), from which an outgoing and an incoming unit vector are read. Scores:
 start[j] = <anchor_out, in[slot 1, j]>, pair[s, i, j] = <out[s, i], in[s + 1, j]>, times
-lilicorr_logit_scale. The walk (vLLM 0.32's candidate walk, shared with DFlash2) picks slot 1's
+lilicorr_logit_scale. The walk (vLLM's candidate walk, shared with DFlash2) picks slot 1's
 candidate by the start scores alone, then each next slot's by the pair row of the candidate just
 picked: the unary log-probabilities enter only through the features.
 
-Names and shapes are vLLM 0.32's (model_executor/models/lilicorr.py, LiLiCorrHead) under `lilicorr.`;
-every Linear has a bias there (ReplicatedLinear's and NemotronHMLP(bias=True)'s default).
+Names and shapes are vLLM's (model_executor/models/lilicorr.py, LiLiCorrHead; the release in `releases.py`)
+under `lilicorr.`; every Linear has a bias there (ReplicatedLinear's and NemotronHMLP(bias=True)'s default).
 
 Start (the DFlash function): the pass-hidden, feature and (if any) token projections and every
 lattice layer's output zero, rank r's embedding RANK_START on channel r, the factor projection the
