@@ -5,7 +5,7 @@ keeps every tensor we wrote, and its model and loss code compute our drafter and
 Where SpecForge computes something else by its own design, the test measures exactly that: its
 serving loop (`spec_generate`) passes no mask, so every layer is bidirectional and unwindowed there;
 its training mask makes sliding layers causal and leaves the block unwindowed; DFlash learns the data's
-tokens; DSpark's training shifts the slots by one against its own drafting (DESIGN.md section 2).
+tokens; DSpark's training shifts the slots by one against its own drafting (docs/consumers.md, "SpecForge").
 
 SpecForge runs on its sdpa path (dense boolean masks), never flex attention: nothing is compiled.
 Run in `.venv-ref-spec`, where `reference/setup.sh` adds SpecForge with --no-deps: `reference/run.sh`

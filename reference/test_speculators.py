@@ -106,7 +106,7 @@ def test_speculators_drafter_equals_ours(tmp_path, case):
 
 def test_speculators_trains_a_query_window_drafter_as_another_function(tmp_path):
     """The engines' query window is not speculators' rule: its drafts equal ours only while every
-    query's window still reaches the document start, as DESIGN.md's table says."""
+    query's window still reaches the document start, as docs/consumers.md's table says."""
     target = tiny_target()
     ours = tiny_drafter(target, CASES["sliding-causal"])
     theirs = load_speculators(export(tmp_path, target, ours))

@@ -20,7 +20,7 @@ from .releases import (LLAMACPP_RELEASE, MODELOPT_RELEASE, SGLANG_RELEASE, SPECF
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 FORMAT_VERSION = 1
-# Sliding-window rules (clause 5; DESIGN.md section 2 has the engines' table). "query": the window
+# Sliding-window rules (clause 5; docs/consumers.md has the engines' table). "query": the window
 # counts from each query's own position, as z-lab's dflash and vLLM serve it; "anchor": every slot
 # of a block sees the W positions before its anchor, as speculators trains (and blockdraft did
 # before the rule became a field, so configs without the field read as "anchor").
@@ -28,10 +28,10 @@ WINDOW_QUERY = "query"
 WINDOW_ANCHOR = "anchor"
 WINDOW_RULES = (WINDOW_QUERY, WINDOW_ANCHOR)
 DEFAULT_WINDOW_RULE = WINDOW_QUERY
-# Drafter kinds (DESIGN.md section 2): the DFlash backbone alone, plus DSpark's Markov and confidence
-# heads, DFlash2's convolutions and candidate selector, LiLiCorr's candidate-lattice correlator, or
-# Domino's GRU correction. Each kind's fields and their defaults (speculators' where it has the
-# kind); a field of another kind must stay unset. The modules are in model/kinds/.
+# Drafter kinds (DESIGN.md section 1; docs/consumers.md): the DFlash backbone alone, plus DSpark's Markov
+# and confidence heads, DFlash2's convolutions and candidate selector, LiLiCorr's candidate-lattice correlator,
+# or Domino's GRU correction. Each kind's fields and their defaults (speculators' where it has the kind); a
+# field of another kind must stay unset. The modules are in model/kinds/.
 KINDS = ("dflash", "dspark", "dflash2", "lilicorr", "domino")
 # kind fields that may be 0 (off, or "the drafter's width"), per kind
 ZERO_OK = {"dspark": ("markov_rank",), "lilicorr": ("conv_kernel_size", "conv_group_size", "lilicorr_hidden_size"),

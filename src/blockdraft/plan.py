@@ -1,6 +1,6 @@
 """The memory plan: peak bytes per rank of a training run, part by part, from the target's config and
 the run's flags alone (no GPU, no weights): `benchmarks/memory_plan.py` prints it for the README's
-commands, `doctor --plan` for a user's own (DESIGN.md section 5, rule 7).
+commands, `doctor --plan` for a user's own (docs/scale.md, rule 7).
 
 Legend: T context tokens of a micro-batch (rows x max_length), N blocks, B block size, Q = N*B
 block queries, S supervised slots, P distinct label positions, Hd drafter hidden, qd = Hq*D and

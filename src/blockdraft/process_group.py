@@ -1,5 +1,5 @@
 """The torch.distributed process group as the lower modules see it: whether this process is in
-one, and where its collective tensors must live (DESIGN.md section 5, rule 1: nccl reduces this
+one, and where its collective tensors must live (docs/scale.md, rule 1: nccl reduces this
 rank's cuda device, gloo the CPU). train/distributed.py joins and leaves the group and records
 its device here; a target sharded over the ranks (target/shard.py) reads it.
 """

@@ -1,4 +1,4 @@
-"""Flex-attention block masks from the chunk plan (DESIGN.md section 5, rule 2): every tile that
+"""Flex-attention block masks from the chunk plan (docs/scale.md, rule 2): every tile that
 holds a visible key is kept, every tile called full is full (both against the dense reference of
 clause 5), nothing of Q x K elements is allocated to build them, and a layout builds each layer
 kind's mask once."""

@@ -238,7 +238,7 @@ def cached_block_mask(context_positions: torch.Tensor, anchor_position: int, blo
 # full (every query sees every key: no mask_mod call) or partial (mask_mod decides). torch's
 # uncompiled `create_block_mask` finds that by evaluating the rule on all Q x K pairs; here the
 # tiles come from each block's visible key ranges instead, so nothing of Q x K elements is ever
-# made (DESIGN.md section 5, rule 2). A tile may be called partial when it is empty or full (only
+# made (docs/scale.md, rule 2). A tile may be called partial when it is empty or full (only
 # slower); a visible key is never in an empty tile, and a full tile is truly full: tests check
 # both against the dense reference.
 

@@ -8,7 +8,7 @@ Loading stages the weights once, in rank 0's host RAM (transformers reads the ch
 with its own key conversions); the other ranks build the model on the meta device. Rank 0 then
 broadcasts one decoder layer at a time onto every rank's device, where `fully_shard` keeps that
 rank's share and frees the rest: no rank ever holds more than the non-layer weights, its shares
-and one whole layer (DESIGN.md section 5, rule 6). Before any broadcast the ranks compare rank 0's
+and one whole layer (docs/scale.md, rule 6). Before any broadcast the ranks compare rank 0's
 list of tensors (names, shapes, dtypes) with their own: a mismatch is one ValueError on every rank.
 """
 

@@ -3,7 +3,7 @@
 `torchrun --nproc-per-node N -m blockdraft train ...` sets RANK/WORLD_SIZE/LOCAL_RANK; the
 backend is nccl on CUDA and gloo on CPU. A single process needs none of it.
 
-DESIGN.md section 5, rule 1: a collective's tensors live on the device its backend serves
+docs/scale.md, rule 1: a collective's tensors live on the device its backend serves
 (nccl: this rank's cuda device; gloo: the CPU). `comm_device()` (process_group.py, where a sharded
 target reads it too) is that device, and every tensor this module hands to a collective is made
 there; metrics, counts and barriers included.

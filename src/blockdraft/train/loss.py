@@ -118,7 +118,7 @@ class RestrictedLabels(NamedTuple):
 class Labels(NamedTuple):
     """The target's labels once per distinct label position, and which of them each supervised slot
     reads (overlapping blocks share positions). Slots pick their row inside each loss chunk, so no
-    [S, V] copy exists (DESIGN.md section 5, rule 3).
+    [S, V] copy exists (docs/scale.md, rule 3).
 
     Either `logits` [P, V] (or [P, Vd], already restricted to the draft vocabulary: then `top`, the
     full-vocabulary argmax [P], is required), or `hidden` [P, Ht], the target's final normed states

@@ -341,7 +341,7 @@ class Trainer:
         self.saved_step = self.progress["step"]
         if self.rank == 0:
             print(f"train: resuming from {path} (step {self.saved_step})", flush=True)
-        if self.rank == 0:  # one writer (DESIGN.md section 5, rule 5); the others wait below
+        if self.rank == 0:  # one writer (docs/scale.md, rule 5); the others wait below
             self.run.truncate_metrics(self.progress["step"])
         barrier()
 

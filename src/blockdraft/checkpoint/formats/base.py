@@ -94,7 +94,7 @@ def read_own(d: dict, defaults: dict) -> dict:
     return out
 
 
-# The newer drafter kinds (DESIGN.md section 2, config.KIND_FIELDS) as their consumers name them.
+# The newer drafter kinds (docs/consumers.md, config.KIND_FIELDS) as their consumers name them.
 DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel", "DSparkSpeculator")  # llama.cpp's DSparkModel
 DFLASH2_ARCH = "DFlash2DraftModel"  # speculators, z-lab's dflash, vLLM and llama.cpp
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
