@@ -343,15 +343,51 @@ def nodes(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
     return row
 
 
-def plans(card_gib=(80, 96, 141), gpus: int = 8, max_length: int = 4096) -> list[dict]:
+def plans(card_gib=(80, 96, 141), gpus: int = 8, max_length: int = 4096, targets: dict | None = None) -> list[dict]:
+    """Every split of a node of `gpus` cards of each size for each target (name -> (config, scheme);
+    default: the three above)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     out = []
-    for name, (cfg, scheme) in target_configs().items():
+    for name, (cfg, scheme) in (targets or target_configs()).items():
         for card in card_gib:
             for split in (separate, shared, nodes):
                 out.append({"target": name, "card_gb": card, "gpus": gpus, **split(cfg, scheme, card, gpus, max_length),
                             "source": "plan (estimate, no GPU ran it)"})
     return out
+
+
+def chosen_targets(args) -> dict | None:
+    """The targets --targets names (the three above, blockdraft.plan.PUBLISHED's, or 'published' for all of
+    those) and --config's, as name -> (config, scheme); None: the three above."""
+    from blockdraft.plan import PUBLISHED, config_file, published_config
+
+    out = {}
+    known = target_configs() if args.targets else {}
+    for name in [n for x in (args.targets or "").split(",") if x for n in (PUBLISHED if x == "published" else [x])]:
+        if name not in known and name not in PUBLISHED:
+            sys.exit(f"--targets: unknown target {name!r}; one of {sorted([*known, *PUBLISHED])} or 'published'")
+        out[name] = known[name] if name in known else published_config(name)
+    if args.config:
+        try:
+            out[args.name or Path(args.config).stem] = (config_file(args.config), args.scheme)
+        except ValueError as e:
+            sys.exit(str(e))
+    return out or None
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per target, card and split: the verdict and the figures per GPU (GiB)."""
+    lines = []
+    for r in rows:
+        eng = r.get("engine") or {}
+        figures = "no engine"
+        if eng:
+            figures = (f"engine {eng['total']} GiB a GPU (weights {eng['weights']}, KV {eng['kv']}, "
+                       f"states {eng['states']})")
+        if "train_rank_gib" in r:
+            figures += f", rank {r['train_rank_gib']} GiB"
+        lines.append(f"{r['target']} | {r['gpus']} x {r['card_gb']} GB | {r['mode']} | {figures} | {r['verdict']}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -365,9 +401,18 @@ def main() -> None:
     p.add_argument("--trainer-cores", default="1", help="the trainer's (and extract's) cores")
     p.add_argument("--work", default=str(ROOT / "runs" / "online-bench"))
     p.add_argument("--plan-only", action="store_true")
+    p.add_argument("--targets", default="", help="comma list: targets to plan (default the three above; "
+                   "'published' for blockdraft.plan.PUBLISHED's: GLM-5, GLM-5-Next, DeepSeek-V4, MiniMax-M3, Kimi-K3)")
+    p.add_argument("--cards", default="80,96,141", help="comma list: each node's card size, GB")
+    p.add_argument("--config", default=None, help="a target's config as JSON (a config.json) to plan too")
+    p.add_argument("--scheme", default="bf16", help="--config's checkpoint scheme (engine_plan.SCHEMES)")
+    p.add_argument("--name", default=None, help="--config's name in the plan (default the file's stem)")
+    p.add_argument("--summary", action="store_true", help="the plan as one line per row instead of JSON")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    res: dict = {"plan": plans()}
+    res: dict = {"plan": plans(tuple(int(c) for c in args.cards.split(",")), targets=chosen_targets(args))}
+    if args.summary:
+        print(summary(res["plan"]))
     if not args.plan_only:
         tmp = Path(args.work)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -380,7 +425,8 @@ def main() -> None:
         res.update(speed_and_spool(args, tmp, res["capture_vs_prefill"]["prefill_tokens_per_s"]))
         res["fp8_states"] = fp8_against_bf16(args, tmp)
     text = json.dumps(res, indent=1)
-    print(text)
+    if not args.summary:
+        print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
 

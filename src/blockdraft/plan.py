@@ -380,3 +380,91 @@ def plan_run(target_config, run, *, world: int = 1, cuda: bool = True, layer_ids
     p.notes.append(f"{rows} rows x {L} tokens per micro-batch, {s.blocks} blocks of {B}, drafter "
                    f"{d['params'] / 1e9:.2f}B params, target {t['params'] / 1e9:.2f}B")
     return p
+
+
+# ------------------------------------------------------------------ published targets (benchmarks/online.py)
+
+@dataclass(frozen=True)
+class Published:
+    """A published target the node plan covers: its transformers config (`config`: a class of transformers,
+    built with `overrides`, or a JSON file under assets/plan), the checkpoint's scheme (engine_plan.SCHEMES),
+    its published total in billions (None: not published) and where each figure comes from."""
+
+    config: str
+    scheme: str
+    total_b: float | None
+    sources: str
+    overrides: dict = field(default_factory=dict)
+
+
+PUBLISHED = {
+    "GLM-5 (FP8)": Published(
+        "GlmMoeDsaConfig", "fp8", 744,
+        "shapes: transformers 5.25's GlmMoeDsaConfig defaults (its docstring's checkpoint zai-org/GLM-5; NVIDIA "
+        "NeMo's GLM-5 page: 78 layers, hidden 6144, 256 experts top-8, kv_lora_rank 512); 744B total, 40B active: "
+        "the GLM-5 technical report (table quoted at glennklockwood.com/garden/GLM-5); FP8: zai-org's -FP8 releases"),
+    "GLM-5-Next (bf16)": Published(
+        "Glm5NextConfig", "bf16", None,
+        "shapes: transformers 5.25's Glm5NextConfig defaults (its docstring's checkpoint zai-org/GLM-5.3-Flash); "
+        "total and released quantizations: not available here, so bf16"),
+    "DeepSeek-V4-Flash (FP4 experts, FP8)": Published(
+        "DeepseekV4Config", "mxfp4-experts-fp8", 284,
+        "shapes: transformers 5.25's DeepseekV4Config defaults (its docstring's checkpoint "
+        "deepseek-ai/DeepSeek-V4-Flash-Base); 284B total, 13B active: OpenRouter's and Venice's model pages; FP4 "
+        "experts, FP8 elsewhere: vLLM's DeepSeek-V4 recipe"),
+    "DeepSeek-V4-Pro (FP4 experts, FP8)": Published(
+        "DeepseekV4Config", "mxfp4-experts-fp8", 1600,
+        "1.6T total, 49B active, 61 layers, hidden 7168, 128 heads, q_lora_rank 1536, 16 output groups of "
+        "o_lora_rank 1024, 384 experts top-6 of width 3072, vocabulary 129280: glennklockwood.com/garden/"
+        "DeepSeek-V4-Pro and apxml.com; the rest as V4-Flash's defaults (assumed); FP4 experts, FP8 elsewhere: "
+        "vLLM's DeepSeek-V4-Pro recipe",
+        dict(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, o_groups=16,
+             o_lora_rank=1024, n_routed_experts=384, num_experts_per_tok=6, moe_intermediate_size=3072,
+             vocab_size=129280)),
+    "MiniMax-M3 (bf16)": Published(
+        "MiniMaxM3VLConfig", "bf16", 428,
+        "shapes: transformers 5.25's MiniMaxM3VLConfig defaults (its docstring's checkpoint MiniMaxAI/MiniMax-M3; "
+        "NVIDIA Megatron Bridge's page: 60 layers, 3 dense, 128 experts top-4, 64 query and 4 KV heads, bf16 "
+        "weights); 428B total, 23B active: that page and Xinference's"),
+    "MiniMax-M3 (MXFP8)": Published(
+        "MiniMaxM3VLConfig", "mxfp8", 428,
+        "as MiniMax-M3 (bf16); MXFP8: the MiniMaxAI/MiniMax-M3-MXFP8 release (its name; its scale layout, one "
+        "8-bit scale per 32 weights, is MXFP8's)"),
+    "Kimi-K3 (MXFP4 experts)": Published(
+        "kimi-k3.json", "mxfp4-experts", 2800,
+        "assets/plan/kimi-k3.json (its _about says which figures are published, by the Kimi-K3 card on Baidu "
+        "AIHC, and which are assumed); MXFP4 weights: that card (the experts only assumed, as Kimi-K2-Thinking's "
+        "INT4)"),
+}
+
+
+def published_config(name: str):
+    """(the transformers config, the scheme) of a PUBLISHED target."""
+    import transformers
+
+    pub = PUBLISHED[name]
+    if pub.config.endswith(".json"):
+        from pathlib import Path
+
+        return config_file(Path(__file__).parent / "assets" / "plan" / pub.config), pub.scheme
+    return getattr(transformers, pub.config)(**pub.overrides), pub.scheme
+
+
+def config_file(path):
+    """A target's transformers config from a JSON file (a checkpoint's config.json, or a family transformers
+    lacks written as a type it has; keys starting with '_' are comments). A model type transformers does not
+    know is refused in one line: the plan counts the target's parameters with transformers' own class."""
+    import json
+    from pathlib import Path
+
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    d = {k: v for k, v in json.loads(Path(path).read_text()).items() if not k.startswith("_")}
+    kind = d.pop("model_type", None)
+    if kind not in CONFIG_MAPPING:
+        raise ValueError(f"{path}: transformers {transformers.__version__} has no model type {kind!r}, so the plan "
+                         "cannot build the target to count it; write its text part as a type transformers has "
+                         "(Kimi-K3: kimi_linear, as vLLM's own KimiK3Config holds it)")
+    return AutoConfig.for_model(kind, **d)

@@ -10,7 +10,9 @@ replicas. Never pipeline stages: vLLM runs its capture method on the last stage 
 Per engine GPU (tensor parallel size tp):
 
 * weights: every parameter in the checkpoint's precision (`SCHEMES`: bf16; FP8 linear layers; INT4
-  routed experts with a bf16 scale per group of 32, the rest bf16), spread over the tp GPUs (attention
+  routed experts with a bf16 scale per group of 32, the rest bf16; MXFP4 routed experts (4-bit values and
+  one 8-bit scale per 32), the rest bf16 or FP8; MXFP8 linear layers (one 8-bit scale per 32)), spread
+  over the tp GPUs (attention
   sliced, a MoE's experts dealt out whole under expert parallel: the same bytes a GPU);
 * the KV cache for `sequences` sequences of the row length, which `extract_hidden_states` needs only for
   prefill: grouped-query keys and values split across tp by KV head (down to one head a GPU), MLA's
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 
 GIB = 2**30
 ENGINE_OVERHEAD = 6 * GIB  # activations of a prefill chunk, CUDA graphs, context: an assumption
-SCHEMES = ("bf16", "fp8", "int4-experts")
+SCHEMES = ("bf16", "fp8", "int4-experts", "mxfp4-experts", "mxfp4-experts-fp8", "mxfp8")
 
 
 @dataclass
@@ -98,16 +100,24 @@ def weight_bytes(config, scheme: str) -> int:
     head = model.get_output_embeddings().weight
     total = 0
     for name, p in model.named_parameters():
-        n = p.numel()
         if p is emb or p is head or p.dim() < 2:  # embeddings, head, norms and biases stay bf16
-            total += 2 * n
-        elif scheme == "fp8":
-            total += n + 4 * n // (128 * 128)  # one fp32 scale per 128 x 128 block
-        elif scheme == "int4-experts" and ".experts." in name and "shared" not in name:
-            total += n // 2 + 2 * n // 32  # int4 with a bf16 scale per group of 32
+            total += 2 * p.numel()
         else:
-            total += 2 * n
+            total += linear_bytes(scheme, p.numel(), ".experts." in name and "shared" not in name)
     return total
+
+
+def linear_bytes(scheme: str, n: int, routed_expert: bool) -> int:
+    """The bytes of a linear layer's `n` weights under a scheme (`routed_expert`: a routed expert's)."""
+    if scheme in ("mxfp4-experts", "mxfp4-experts-fp8") and routed_expert:
+        return n // 2 + n // 32  # e2m1 values, one e8m0 scale per group of 32
+    if scheme in ("fp8", "mxfp4-experts-fp8"):
+        return n + 4 * n // (128 * 128)  # one fp32 scale per 128 x 128 block
+    if scheme == "int4-experts" and routed_expert:
+        return n // 2 + 2 * n // 32  # int4 with a bf16 scale per group of 32
+    if scheme == "mxfp8":
+        return n + n // 32  # e4m3 values, one e8m0 scale per group of 32
+    return 2 * n
 
 
 def kv_bytes_per_token(config, tp: int) -> int:
