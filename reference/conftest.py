@@ -1,7 +1,10 @@
 """Fixtures the vLLM reference files share (pytest collects this beside them): one vLLM engine capturing
 SmolLM2's states, started once per session and fed through a spool that `extract --engine vllm` and
 `train --engine vllm` join with `--spool` (each vLLM start costs minutes on 2 cores). It runs as two
-data-parallel replicas, one core each: the layout every file that joins it is judged in."""
+data-parallel replicas, one core each: the layout every file that joins it is judged in. It runs eager
+(vLLM's enforce_eager), as the servers on other nodes that are held to its cache do: each replica's start
+is about a minute shorter, and compiled capture stays judged on GLM-4.x MoE (test_vllm_capture.py), whose
+decoder forward blockdraft's plugin rewrites."""
 
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ def smollm2_engine(tmp_path_factory):
     root = Path(tmp_path_factory.mktemp("smollm2-engine")) / "spool"
     want = {"target": str(resolve_source("smollm2").local_dir), "aux_ids": capture_ids(SMOLLM2_LAYERS, 30),
             "dtype": "float32"}
-    engines = open_engines(root, want, EngineOptions(engine="vllm", data_parallel_size=SMOLLM2_REPLICAS),
+    engines = open_engines(root, want, EngineOptions(engine="vllm", data_parallel_size=SMOLLM2_REPLICAS,
+                                                       engine_eager=True),
                            max_model_len=SMOLLM2_LENGTH + 8, itemsize=4,
                            on_gpu=False, architectures=["LlamaForCausalLM"])
     engines.wait_ready()

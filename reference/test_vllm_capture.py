@@ -111,9 +111,10 @@ def captured(request, tmp_path_factory):
     target = tiny_dir(tmp, family)
     with gzip.open(ROOT / "src" / "blockdraft" / "assets" / "data" / "default.jsonl.gz", "rt") as fh:
         (tmp / "data.jsonl").write_text("".join(next(fh) for _ in range(6)))
-    # GLM and Llama under vLLM's compilation (the rewritten forward must survive it); MLA eager, to keep the
-    # suite short
-    extra = ["--dtype", "bfloat16", "--engine-eager"] if family == "deepseek_v3" else ["--dtype", "float32"]
+    # GLM under vLLM's compilation (blockdraft's rewritten forward must survive it); MLA and Llama (vLLM's own
+    # capture class) eager, to keep the suite short (a compiled start costs each rank about a minute)
+    extra = {"deepseek_v3": ["--dtype", "bfloat16", "--engine-eager"], "glm4_moe": ["--dtype", "float32"],
+             "llama": ["--dtype", "float32", "--engine-eager"]}[family]
     log = blockdraft("extract", "--engine", "vllm", "--target", str(target), "--data", str(tmp / "data.jsonl"),
                      "--max-length", "256", "--layer-ids", ",".join(map(str, LAYERS)), "--threads", "2", *extra,
                      *LAYOUT[family], "--spool", str(tmp / "spool"), "--out", str(tmp / "cache"), log=tmp / "extract.log",

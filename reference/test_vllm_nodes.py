@@ -63,8 +63,9 @@ class Nodes:
             port = free_port()
             argv = [sys.executable, "-m", "blockdraft", "engine", "--layer-ids", ",".join(map(str, SMOLLM2_LAYERS)),
                     "--mooncake-master", self.master, "--port", str(port), "--host", "127.0.0.1",
-                    "--advertise", "127.0.0.1", "--segment-gib", "0.5", "--max-model-len", str(SMOLLM2_LENGTH + 8)]
-            # compiled as the shared engine that wrote the cache is: the same kernels, the same states
+                    "--advertise", "127.0.0.1", "--segment-gib", "0.5", "--max-model-len", str(SMOLLM2_LENGTH + 8),
+                    "--engine-eager"]
+            # eager as the shared engine that wrote the cache is: the same kernels, the same states
             e = {**env(), "VLLM_CPU_OMP_THREADS_BIND": str(core)}  # each server on a core of its own
             self.procs[f"server{core}"] = subprocess.Popen(argv, env=e, stdout=open(tmp / f"server{core}.log", "w"),
                                                            stderr=subprocess.STDOUT, start_new_session=True)
