@@ -78,6 +78,23 @@ def llama_threads():
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def target_only_once():
+    """Target-only llama-server runs once per target file, prompts and length: doctor's checks below serve
+    the same target on the same MT-Bench prompts three times, and its greedy output is the same each time."""
+    real, seen = llamacpp.greedy_outputs, {}
+
+    def once(binary, target_gguf, prompts, *, max_new_tokens=128, **kw):
+        key = (str(binary), str(target_gguf), repr(prompts), max_new_tokens)
+        if key not in seen:
+            seen[key] = real(binary, target_gguf, prompts, max_new_tokens=max_new_tokens, **kw)
+        return [list(o) for o in seen[key]]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llamacpp, "greedy_outputs", once)
+        yield
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """llama-server, the SmolLM2 target, the held-out prompts and target-only llama.cpp's greedy outputs."""
