@@ -246,23 +246,23 @@ def test_a_master_that_dies_is_one_line_not_a_hang(tmp_path):
     (dict(engine_endpoints="http://a:1", mooncake_master="nowhere"), "HOST:PORT"),
 ])
 def test_remote_flags_are_checked_in_one_line(flags, says):
-    from blockdraft.engines.vllm.engine_options import EngineOptions, check_engine_flags
+    from blockdraft.engines.vllm.engine_options import VllmOptions, check_engine_flags
 
     with pytest.raises(ValueError, match=says) as e:
-        check_engine_flags(EngineOptions(engine="vllm", **flags), "train")
+        check_engine_flags(VllmOptions(**flags), "train")
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="runs its engines here"):
-        check_engine_flags(EngineOptions(engine="vllm", engine_endpoints="http://a:1", mooncake_master="a:1"),
+        check_engine_flags(VllmOptions(engine_endpoints="http://a:1", mooncake_master="a:1"),
                            "extract")
 
 
 def test_the_engine_command_runs_vllms_server_with_the_runs_layers_and_the_connector():
-    from blockdraft.engines.vllm.engine_options import EngineOptions
+    from blockdraft.engines.vllm.engine_options import VllmOptions
     from blockdraft.engines.vllm.serve import ServerOptions, server_command
 
     argv, env = server_command("/m", [2, 9, 30], ["Glm4MoeForCausalLM"],
                                ServerOptions(mooncake_master="10.0.0.1:50051", port=8123, advertise="node7"),
-                               EngineOptions(engine="vllm", tensor_parallel_size=8, expert_parallel=True,
+                               VllmOptions(tensor_parallel_size=8, expert_parallel=True,
                                              engine_memory=0.85), "py")
     assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     arg = dict(zip(argv, argv[1:]))

@@ -12,7 +12,8 @@ import torch
 
 from blockdraft.engines.vllm import cores, launch
 from blockdraft.engines.vllm.feed import engine_kwargs
-from blockdraft.engines.vllm.engine_options import PIPELINE_REFUSAL, EngineOptions, check_engine_flags, trainer_memory_fraction
+from blockdraft.engines.vllm.engine_options import (PIPELINE_REFUSAL, VllmOptions, check_engine_flags,
+                                                    trainer_memory_fraction)
 
 
 def cores_of(listing: str) -> list[int]:
@@ -91,20 +92,26 @@ def test_pipeline_stages_are_refused_in_one_line_before_any_work(tmp_path, capsy
 def test_engines_are_never_started_with_pipeline_stages(tmp_path):
     with pytest.raises(ValueError, match="last pipeline stage alone"):
         launch.open_engines(tmp_path / "spool", {"target": "/m", "aux_ids": [1], "dtype": "float32"},
-                            EngineOptions(engine="vllm", pipeline_parallel_size=3), max_model_len=8, itemsize=4,
+                            VllmOptions(pipeline_parallel_size=3), max_model_len=8, itemsize=4,
                             on_gpu=True, architectures=[])
     assert not (tmp_path / "spool").exists()
 
 
 def test_engine_settings_the_run_would_ignore_are_refused():
+    from blockdraft.engines import runner_options
+    from blockdraft.engines.options import RunnerOptions
+
     with pytest.raises(ValueError, match="--tensor-parallel-size, --expert-parallel set how vLLM runs the target"):
-        check_engine_flags(EngineOptions(tensor_parallel_size=2, expert_parallel=True), "train")
+        runner_options({"engine": "transformers", "tensor_parallel_size": 2, "expert_parallel": True}, "train")
+    # a transformers run carries no vLLM option; one written at its default (an older train_config.json) is dropped
+    assert runner_options({"tensor_parallel_size": 1, "spool": None}, "train") == RunnerOptions()
+    assert type(runner_options({"engine": "vllm", "spool": "/s"}, "train")) is VllmOptions
     with pytest.raises(ValueError, match="--share-gpus runs the training ranks beside vLLM"):
-        check_engine_flags(EngineOptions(engine="vllm", share_gpus=True), "train")
-    check_engine_flags(EngineOptions(engine="vllm", share_gpus=True, engine_memory=0.6), "train")
-    check_engine_flags(EngineOptions(), "extract")
-    assert trainer_memory_fraction(EngineOptions(engine="vllm", share_gpus=True, engine_memory=0.6)) == pytest.approx(0.4)
-    assert trainer_memory_fraction(EngineOptions(engine="vllm", engine_memory=0.6)) is None
+        check_engine_flags(VllmOptions(share_gpus=True), "train")
+    check_engine_flags(VllmOptions(share_gpus=True, engine_memory=0.6), "train")
+    check_engine_flags(VllmOptions(), "extract")
+    assert trainer_memory_fraction(VllmOptions(share_gpus=True, engine_memory=0.6)) == pytest.approx(0.4)
+    assert trainer_memory_fraction(VllmOptions(engine_memory=0.6)) is None
 
 
 def test_train_refuses_engine_flags_without_the_engine(tmp_path, capsys, chat_data):
@@ -119,7 +126,7 @@ def test_train_refuses_engine_flags_without_the_engine(tmp_path, capsys, chat_da
 def test_shared_gpus_put_the_ranks_on_the_engines_gpus(monkeypatch):
     from blockdraft.engines.vllm.online import node_split
 
-    opts = EngineOptions(engine="vllm", tensor_parallel_size=4, data_parallel_size=2, engine_memory=0.6)
+    opts = VllmOptions(tensor_parallel_size=4, data_parallel_size=2, engine_memory=0.6)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert node_split(opts) == 8  # separate GPUs: the ranks start after the engine's
     opts.share_gpus = True
@@ -205,13 +212,13 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_is_refused_before_the_st
     (target / "config.json").write_text(json.dumps({"num_attention_heads": 9}))  # SmolLM2's
     with pytest.raises(ValueError, match="the target has 9 attention heads"):
         launch.open_engines(tmp_path / "spool", {"target": str(target), "aux_ids": [1], "dtype": "float32"},
-                            EngineOptions(engine="vllm", tensor_parallel_size=2), max_model_len=8, itemsize=4,
+                            VllmOptions(tensor_parallel_size=2), max_model_len=8, itemsize=4,
                             on_gpu=False, architectures=[])
     assert not (tmp_path / "spool").exists()
     (target / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 8}}))
     from blockdraft.engines.vllm.engine_options import check_layout
 
-    check_layout(EngineOptions(engine="vllm", tensor_parallel_size=4), target)
+    check_layout(VllmOptions(tensor_parallel_size=4), target)
 
 
 def test_states_files_are_safetensors_and_fp8_keeps_each_value_within_its_rounding(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .engine_options import EngineOptions, engine_gpus, node_rank, spool_dir
+from .engine_options import VllmOptions, engine_gpus, node_rank, spool_dir
 
 
 @dataclass
@@ -62,7 +62,7 @@ def check_online(cfg) -> None:
     require_vllm(cfg.engine, "train")
 
 
-def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
+def engine_dtype(opts: VllmOptions, on_gpu: bool) -> str:
     return opts.engine_dtype if opts.engine_dtype != "auto" else ("bfloat16" if on_gpu else "float32")
 
 
@@ -190,7 +190,7 @@ def describe_layout(layout: dict) -> str:
             + (" with experts spread" if layout.get("expert_parallel") else ""))
 
 
-def node_split(opts: EngineOptions) -> int:
+def node_split(opts: VllmOptions) -> int:
     """The GPU index training rank 0 of a node starts at: after the engine replicas' GPUs, or at the first
     of them when the ranks share them (--share-gpus)."""
     need = engine_gpus(opts)

@@ -85,7 +85,7 @@ def kv_transfer_config(mooncake: dict) -> str:
                        "kv_connector_extra_config": {"mooncake": mooncake}})
 
 
-# EngineOptions' flags `blockdraft engine` takes: how vLLM runs the target on this node
+# VllmOptions' flags `blockdraft engine` takes: how vLLM runs the target on this node
 ENGINE_FLAGS = ("tensor_parallel_size", "expert_parallel", "data_parallel_size", "engine_memory", "engine_dtype",
                 "quantization", "engine_eager", "engine_python")
 
