@@ -7,6 +7,9 @@ test_vllm_online.py)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,7 +146,8 @@ def test_the_plan_uses_only_proven_layouts():
     never pipeline stages; a MoE engine is planned with its experts spread."""
     import transformers as tf
 
-    from blockdraft.engines.vllm.engine_plan import GIB, engine_plan, smallest_engine, tensor_sizes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the plan is the benchmark's
+    from engine_plan import GIB, engine_plan, smallest_engine, tensor_sizes
 
     moe = tf.Glm4MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=12, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
@@ -167,7 +171,8 @@ def test_the_plan_uses_only_proven_layouts():
 def test_the_shared_plan_takes_the_first_trainer_option_that_fits_beside_the_most_replicas():
     import transformers as tf
 
-    from blockdraft.engines.vllm.engine_plan import GIB, engine_plan, shared_engine, tensor_sizes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from engine_plan import GIB, engine_plan, shared_engine, tensor_sizes
 
     dense = tf.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=32)
