@@ -48,7 +48,9 @@ def main() -> None:
     drafter = continue_drafter(a.drafter, target, "cpu", a.window_rule)
     run = RunConfig(data=DataOptions(data=a.data, eval_data=a.eval_data, max_rows=a.max_rows,
                                      max_length=a.max_length, memo_features="off"))
-    train_rows, eval_rows, _ = training_data(run, target)  # the rows `blockdraft train` builds
+    from blockdraft.engines import runner
+
+    train_rows, eval_rows, _ = training_data(run, target, runner(run.engine.engine))  # the rows train builds
     m = evaluate(target, drafter, eval_rows, run.train, rows_per_batch(run.train, train_rows))
     out = {"drafter": a.drafter, "window_rule": drafter.config.sliding_window_rule,
            "held_out_rows": int(eval_rows["input_ids"].shape[0]), **m}

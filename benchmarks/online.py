@@ -19,7 +19,7 @@ so that what each costs the other shows, as it would on separate GPUs:
 * spool: an online run whose states would be at least 10x `--spool-gib`: the engine's record of the
   claimed bytes, and the bytes on disk sampled every 20 ms, against the bound;
 * plan: for Qwen3-8B (bf16), GLM-4.6 (FP8) and Kimi-K2 (INT4 routed experts) on one node of 8 x 80 GB,
-  8 x 96 GB (RTX PRO 6000) and 8 x 141 GB, each way to split it (engines.vllm.engine_plan): separate GPUs (the
+  8 x 96 GB (RTX PRO 6000) and 8 x 141 GB, each way to split it (benchmarks/engine_plan.py): separate GPUs (the
   smallest tensor-parallel engine that fits, experts spread for a MoE, the training ranks on the rest)
   and shared GPUs (replicas on every GPU taking a share of each, a training rank beside each at the
   largest micro-batch that fits, blockdraft.plan at the README's flags). Only layouts the reference
@@ -239,7 +239,7 @@ MICRO = ((STEP_TOKENS, 1), (8192, 2), (4096, 4), (8192, 1), (4096, 1))
 
 def separate(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
     """Engine on the node's first GPUs (the fewest that hold it), training ranks on the rest."""
-    from blockdraft.engines.vllm.engine_plan import GIB, smallest_engine
+    from engine_plan import GIB, smallest_engine
     from blockdraft.plan import plan_run
     from memory_plan import run_config
 
@@ -265,7 +265,7 @@ def separate(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
 
 def shared(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
     """Engine replicas on every GPU, taking a share of each, and a training rank beside each."""
-    from blockdraft.engines.vllm.engine_plan import GIB, shared_engine
+    from engine_plan import GIB, shared_engine
     from blockdraft.plan import plan_run
     from memory_plan import run_config
 
@@ -311,7 +311,7 @@ N_STATES = 6  # 5 feature layers and the last one: what a server puts into the s
 def nodes(cfg, scheme: str, card: int, gpus: int, max_length: int) -> dict:
     """Engines on nodes of their own (`blockdraft engine`), a trainer node of `gpus` training ranks reading
     their states through a Mooncake store (`--engine-endpoints`), and the link the trainer node needs."""
-    from blockdraft.engines.vllm.engine_plan import GIB, smallest_engine
+    from engine_plan import GIB, smallest_engine
     from blockdraft.plan import plan_run
     from memory_plan import run_config
 

@@ -85,12 +85,12 @@ def capture(target: Path, docs: list[list[int]], aux: list[int], dtype: str, wor
     from safetensors.torch import load_file
 
     from blockdraft.engines.vllm.launch import open_engines
-    from blockdraft.engines.vllm.engine_options import EngineOptions
+    from blockdraft.engines.vllm.engine_options import VllmOptions
     from blockdraft.engines.vllm.spool import item_key, state_bytes
 
     arch = json.loads((target / "config.json").read_text())["architectures"]
     want = {"target": str(target), "aux_ids": aux, "dtype": dtype}
-    opts = EngineOptions(engine="vllm", engine_eager=True, engine_python=python, spool_gib=0.25)
+    opts = VllmOptions(engine_eager=True, engine_python=python, spool_gib=0.25)
     engines = open_engines(work / "spool", want, opts, max_model_len=128, itemsize=2 if dtype != "float32" else 4,
                            on_gpu=False, architectures=arch, say=lambda s: None)
     ok = False

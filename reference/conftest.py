@@ -28,15 +28,14 @@ def smollm2_engine(tmp_path_factory):
     pytest.importorskip("vllm")
     from blockdraft.engines.vllm.capture import capture_ids
     from blockdraft.engines.vllm.launch import open_engines
-    from blockdraft.engines.vllm.engine_options import EngineOptions
+    from blockdraft.engines.vllm.engine_options import VllmOptions
     from blockdraft.target import resolve_source
 
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the replicas' cores are blockdraft's choice
     root = Path(tmp_path_factory.mktemp("smollm2-engine")) / "spool"
     want = {"target": str(resolve_source("smollm2").local_dir), "aux_ids": capture_ids(SMOLLM2_LAYERS, 30),
             "dtype": "float32"}
-    engines = open_engines(root, want, EngineOptions(engine="vllm", data_parallel_size=SMOLLM2_REPLICAS,
-                                                       engine_eager=True),
+    engines = open_engines(root, want, VllmOptions(data_parallel_size=SMOLLM2_REPLICAS, engine_eager=True),
                            max_model_len=SMOLLM2_LENGTH + 8, itemsize=4,
                            on_gpu=False, architectures=["LlamaForCausalLM"])
     engines.wait_ready()

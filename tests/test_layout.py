@@ -227,3 +227,14 @@ def test_every_export_asks_the_consumers_first():
     assert unasked_writes(ast.parse("from ..checkpoint.native import load_drafter, write_gguf")) == [1]
     formats_dir = ROOT / "checkpoint" / "formats"
     assert not [p.name for p in formats_dir.glob("*.py") if "Difference" in p.read_text()]  # no record made there
+
+
+def test_nothing_outside_engines_imports_an_engines_own_package():
+    """Commands and the library reach vLLM (and any engine's package) through `engines`' interface: a
+    runner (`engines.runner(name)`, with its own options and flags), the consumers' registry. Only
+    engines/ imports engines.vllm or engines.llamacpp."""
+    own = ("blockdraft.engines.vllm", "blockdraft.engines.llamacpp")
+    found = sorted(f"{m} -> {t}" for m, ts in imports().items() if unit(m) != "engines"
+                   for t in ts if t.startswith(own))
+    assert found == [], found
+    assert any(t.startswith(own) for t in imports()["blockdraft.engines.consumers"])  # the reader sees them

@@ -17,8 +17,6 @@ from dataclasses import asdict
 import torch
 
 from .checks import FAIL, PASS, SKIP, WARN, Check  # noqa: F401 (doctor's names)
-from .engines.llamacpp.doctor import check_llamacpp
-from .engines.vllm.doctor import check_acceptance, check_engine_features
 
 
 def _guard(name: str, fn, *args, debug: bool = False) -> Check:
@@ -251,7 +249,7 @@ def check_kind(drafter) -> Check:
         return Check("drafter kind", FAIL, f"{kind}: " + "; ".join(problems), "retrain with blockdraft train --kind")
     from . import engines
 
-    note = "; ".join(filter(None, (e.installed_kind_refusal(kind) for e in engines.ENGINES.values())))
+    note = "; ".join(filter(None, (e.installed_kind_refusal(kind) for e in engines.CONSUMERS.values())))
     msg = f"{kind}: the kind's terms hold on this checkpoint; served by {engines.servers(kind)}"
     return Check("drafter kind", WARN if note else PASS, msg + (f"; {note}" if note else ""),
                  "serve it with llama.cpp, or vLLM's V2 runner on a GPU" if note else "")
@@ -433,6 +431,27 @@ def probe_drafter(target):
     from .train.build import DrafterOptions
 
     return DFlashDrafter(DrafterConfig.for_target(target, **DrafterOptions().layout())).to(target.device).eval()
+
+
+def check_engine_features(target) -> Check:
+    """Whether vLLM's engines capture this target's features for training (the engine's own check)."""
+    from . import engines
+
+    return engines.doctor_checks()["engine_features"](target)
+
+
+def check_acceptance(target, drafter, ids) -> Check:
+    """`--vllm`: vLLM serving the drafter accepts what blockdraft accepts (the engine's own check)."""
+    from . import engines
+
+    return engines.doctor_checks()["acceptance"](target, drafter, ids)
+
+
+def check_llamacpp(target, drafter, target_gguf: str | None) -> Check:
+    """`--llama-cpp`: llama-server with the drafter's GGUF against blockdraft's (the engine's own check)."""
+    from . import engines
+
+    return engines.doctor_checks()["llama_cpp"](target, drafter, target_gguf)
 
 
 def run_doctor(target, drafter, data: str | None = None, sample_ids: torch.Tensor | None = None, *,

@@ -362,7 +362,7 @@ def test_each_kind_converts_to_each_format_as_the_docs_say(tmp_path, kind, to):
     """`convert` of `train`'s directory for every kind and format (issue 58, item 7.2/7.3): it writes where
     docs/kinds.md says a consumer reads it; elsewhere one line sends it to a layout that converts, and the
     engines it names as reading that layout are the ones the registry says serve the kind from it."""
-    from blockdraft.engines import ENGINES
+    from blockdraft.engines import CONSUMERS
 
     from .test_gguf import fake_target_gguf
 
@@ -383,7 +383,7 @@ def test_each_kind_converts_to_each_format_as_the_docs_say(tmp_path, kind, to):
     advised = said.split("export it --to ", 1)[1].split(",")[0].split()[0]
     convert(src, tmp_path / "advised", advised, verifier=verifier)  # the advice holds
     before_not = said.split("export it --to ", 1)[1].split(" not ")[0]
-    for e in ENGINES.values():
+    for e in CONSUMERS.values():
         if e.reads(advised) and not e.serves(kind):
             assert e.name not in before_not, (e.name, said)
         elif e.reads(advised):

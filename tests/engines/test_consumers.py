@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.doctor import PASS, WARN, capture_check, check_engine_features
-from blockdraft.engines import engine
+from blockdraft.engines import consumer as engine
 from blockdraft.engines.vllm.consumer import PLUGIN_CAPTURE, VLLM_CAPTURE, read_vllm_capture
 from conftest import tiny_target
 
@@ -109,11 +109,11 @@ def test_every_consumer_a_format_names_is_an_engine_and_every_kind_is_placed():
     """A format's records and the engines' tables are written apart: a consumer named in a record
     needs its module, and each engine says of each kind whether it serves it."""
     from blockdraft.config import KINDS
-    from blockdraft.engines import ENGINES, differences
+    from blockdraft.engines import CONSUMERS, differences
 
     named = {d.consumer for cfg in kind_configs() for _, d in differences(cfg)}
-    assert named and named <= set(ENGINES), named - set(ENGINES)
-    for e in ENGINES.values():
+    assert named and named <= set(CONSUMERS), named - set(CONSUMERS)
+    for e in CONSUMERS.values():
         for kind in KINDS:
             assert (kind in e.kinds) != (kind in e.refused_kinds), (e.name, kind)
 
@@ -122,7 +122,7 @@ def test_an_engine_that_refuses_a_kind_says_so_in_the_files_it_reads():
     """SGLang and dflash do not serve DSpark: the z-lab format, which they read, has a record of
     theirs for the DSpark drafter that the same drafter as DFlash does not have; an engine that
     serves a kind has no refusal that the kind alone brings."""
-    from blockdraft.engines import ENGINES
+    from blockdraft.engines import CONSUMERS
 
     cfgs = list(kind_configs())
     by_backbone = {}
@@ -130,7 +130,7 @@ def test_an_engine_that_refuses_a_kind_says_so_in_the_files_it_reads():
         by_backbone.setdefault((cfg.draft_vocab_size, tuple(cfg.layer_types)), {})[cfg.kind] = cfg
     for same in by_backbone.values():
         for kind, cfg in same.items():
-            for e in ENGINES.values():
+            for e in CONSUMERS.values():
                 brought = [d for d in e.differences(cfg) if d not in e.differences(same["dflash"])]
                 if e.serves(kind):
                     assert not [d for d in brought if d.refuse], (e.name, kind, brought)
@@ -162,9 +162,9 @@ def test_doctor_runs_one_capture_check_per_capturing_engine(monkeypatch):
 
     from blockdraft import doctor, engines
 
-    e = dataclasses.replace(engines.ENGINES["llama.cpp"], name="newengine", capture_check="target capture (new)",
+    e = dataclasses.replace(engines.CONSUMERS["llama.cpp"], name="newengine", capture_check="target capture (new)",
                             capture=lambda: (frozenset(), "its source"))
-    monkeypatch.setitem(engines.ENGINES, "newengine", e)
+    monkeypatch.setitem(engines.CONSUMERS, "newengine", e)
     t = tiny_target("llama")
     names = {c.name: c for c in doctor.run_doctor(t, None, sample_ids=torch.tensor([[1, 2, 3, 4]]))}
     assert names["target capture (new)"].status == WARN and "newengine cannot capture" in \

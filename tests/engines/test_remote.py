@@ -246,23 +246,23 @@ def test_a_master_that_dies_is_one_line_not_a_hang(tmp_path):
     (dict(engine_endpoints="http://a:1", mooncake_master="nowhere"), "HOST:PORT"),
 ])
 def test_remote_flags_are_checked_in_one_line(flags, says):
-    from blockdraft.engines.vllm.engine_options import EngineOptions, check_engine_flags
+    from blockdraft.engines.vllm.engine_options import VllmOptions, check_engine_flags
 
     with pytest.raises(ValueError, match=says) as e:
-        check_engine_flags(EngineOptions(engine="vllm", **flags), "train")
+        check_engine_flags(VllmOptions(**flags), "train")
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="runs its engines here"):
-        check_engine_flags(EngineOptions(engine="vllm", engine_endpoints="http://a:1", mooncake_master="a:1"),
+        check_engine_flags(VllmOptions(engine_endpoints="http://a:1", mooncake_master="a:1"),
                            "extract")
 
 
 def test_the_engine_command_runs_vllms_server_with_the_runs_layers_and_the_connector():
-    from blockdraft.engines.vllm.engine_options import EngineOptions
+    from blockdraft.engines.vllm.engine_options import VllmOptions
     from blockdraft.engines.vllm.serve import ServerOptions, server_command
 
     argv, env = server_command("/m", [2, 9, 30], ["Glm4MoeForCausalLM"],
                                ServerOptions(mooncake_master="10.0.0.1:50051", port=8123, advertise="node7"),
-                               EngineOptions(engine="vllm", tensor_parallel_size=8, expert_parallel=True,
+                               VllmOptions(tensor_parallel_size=8, expert_parallel=True,
                                              engine_memory=0.85), "py")
     assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     arg = dict(zip(argv, argv[1:]))
@@ -311,3 +311,39 @@ def test_a_listed_server_that_never_answers_is_taken_out_once_another_has():
         assert "\n" not in str(e.value) and dead in str(e.value)
     finally:
         server.shutdown()
+
+
+def test_an_unreachable_master_is_one_line_at_once_and_mooncakes_own_log_stays_off_the_terminal(tmp_path, capfd):
+    """Mooncake's client retries an unreachable master for about 108 s, logging 121 lines to the terminal:
+    the master's port is tried first, and Mooncake's own log of its setup goes to the run's log file."""
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineFailed, match="master at .* could not be reached") as e:
+        Store(dead, timeout_s=600.0, log=tmp_path / "mooncake.log")
+    assert time.monotonic() - t0 < 15 and "\n" not in str(e.value) and dead in str(e.value)
+    proc, master = start_master()
+    try:
+        Store(master, timeout_s=600.0, log=tmp_path / "mooncake.log").close()
+    finally:
+        proc.kill()
+        proc.wait()
+    said = capfd.readouterr()
+    assert said.out + said.err == "", (said.out + said.err)[-2000:]
+    assert (tmp_path / "mooncake.log").read_text().strip()  # what Mooncake said is kept
+
+
+def test_a_dead_endpoint_says_what_it_waits_for_while_it_waits(capsys):
+    """--engine-stall-min (10 minutes by default) bounds the wait for a server; a wait that long says at least
+    once a minute which servers it waits for and why (here every 0.5 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from blockdraft.engines.vllm.remote import result_saying
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineFailed, match="did not answer"):
+        Servers([dead], timeout_s=5.0).connect(wait_s=2.0, every_s=0.5)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "waited" in ln]
+    assert len(lines) >= 2 and all(dead in ln and "--engine-stall-min" in ln for ln in lines), lines
+    with ThreadPoolExecutor(1) as pool:
+        assert result_saying(pool.submit(time.sleep, 1.2), "a slow document", every_s=0.5) is None
+    assert "still waiting for a slow document" in capsys.readouterr().out

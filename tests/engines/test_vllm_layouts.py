@@ -7,12 +7,16 @@ test_vllm_online.py)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from blockdraft.engines.vllm import cores, launch
 from blockdraft.engines.vllm.feed import engine_kwargs
-from blockdraft.engines.vllm.engine_options import PIPELINE_REFUSAL, EngineOptions, check_engine_flags, trainer_memory_fraction
+from blockdraft.engines.vllm.engine_options import (PIPELINE_REFUSAL, VllmOptions, check_engine_flags,
+                                                    trainer_memory_fraction)
 
 
 def cores_of(listing: str) -> list[int]:
@@ -91,20 +95,26 @@ def test_pipeline_stages_are_refused_in_one_line_before_any_work(tmp_path, capsy
 def test_engines_are_never_started_with_pipeline_stages(tmp_path):
     with pytest.raises(ValueError, match="last pipeline stage alone"):
         launch.open_engines(tmp_path / "spool", {"target": "/m", "aux_ids": [1], "dtype": "float32"},
-                            EngineOptions(engine="vllm", pipeline_parallel_size=3), max_model_len=8, itemsize=4,
+                            VllmOptions(pipeline_parallel_size=3), max_model_len=8, itemsize=4,
                             on_gpu=True, architectures=[])
     assert not (tmp_path / "spool").exists()
 
 
 def test_engine_settings_the_run_would_ignore_are_refused():
+    from blockdraft.engines import runner_options
+    from blockdraft.engines.options import RunnerOptions
+
     with pytest.raises(ValueError, match="--tensor-parallel-size, --expert-parallel set how vLLM runs the target"):
-        check_engine_flags(EngineOptions(tensor_parallel_size=2, expert_parallel=True), "train")
+        runner_options({"engine": "transformers", "tensor_parallel_size": 2, "expert_parallel": True}, "train")
+    # a transformers run carries no vLLM option; one written at its default (an older train_config.json) is dropped
+    assert runner_options({"tensor_parallel_size": 1, "spool": None}, "train") == RunnerOptions()
+    assert type(runner_options({"engine": "vllm", "spool": "/s"}, "train")) is VllmOptions
     with pytest.raises(ValueError, match="--share-gpus runs the training ranks beside vLLM"):
-        check_engine_flags(EngineOptions(engine="vllm", share_gpus=True), "train")
-    check_engine_flags(EngineOptions(engine="vllm", share_gpus=True, engine_memory=0.6), "train")
-    check_engine_flags(EngineOptions(), "extract")
-    assert trainer_memory_fraction(EngineOptions(engine="vllm", share_gpus=True, engine_memory=0.6)) == pytest.approx(0.4)
-    assert trainer_memory_fraction(EngineOptions(engine="vllm", engine_memory=0.6)) is None
+        check_engine_flags(VllmOptions(share_gpus=True), "train")
+    check_engine_flags(VllmOptions(share_gpus=True, engine_memory=0.6), "train")
+    check_engine_flags(VllmOptions(), "extract")
+    assert trainer_memory_fraction(VllmOptions(share_gpus=True, engine_memory=0.6)) == pytest.approx(0.4)
+    assert trainer_memory_fraction(VllmOptions(engine_memory=0.6)) is None
 
 
 def test_train_refuses_engine_flags_without_the_engine(tmp_path, capsys, chat_data):
@@ -119,7 +129,7 @@ def test_train_refuses_engine_flags_without_the_engine(tmp_path, capsys, chat_da
 def test_shared_gpus_put_the_ranks_on_the_engines_gpus(monkeypatch):
     from blockdraft.engines.vllm.online import node_split
 
-    opts = EngineOptions(engine="vllm", tensor_parallel_size=4, data_parallel_size=2, engine_memory=0.6)
+    opts = VllmOptions(tensor_parallel_size=4, data_parallel_size=2, engine_memory=0.6)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert node_split(opts) == 8  # separate GPUs: the ranks start after the engine's
     opts.share_gpus = True
@@ -136,7 +146,8 @@ def test_the_plan_uses_only_proven_layouts():
     never pipeline stages; a MoE engine is planned with its experts spread."""
     import transformers as tf
 
-    from blockdraft.engines.vllm.engine_plan import GIB, engine_plan, smallest_engine, tensor_sizes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the plan is the benchmark's
+    from engine_plan import GIB, engine_plan, smallest_engine, tensor_sizes
 
     moe = tf.Glm4MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=12, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
@@ -160,7 +171,8 @@ def test_the_plan_uses_only_proven_layouts():
 def test_the_shared_plan_takes_the_first_trainer_option_that_fits_beside_the_most_replicas():
     import transformers as tf
 
-    from blockdraft.engines.vllm.engine_plan import GIB, engine_plan, shared_engine, tensor_sizes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from engine_plan import GIB, engine_plan, shared_engine, tensor_sizes
 
     dense = tf.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=32)
@@ -205,13 +217,72 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_is_refused_before_the_st
     (target / "config.json").write_text(json.dumps({"num_attention_heads": 9}))  # SmolLM2's
     with pytest.raises(ValueError, match="the target has 9 attention heads"):
         launch.open_engines(tmp_path / "spool", {"target": str(target), "aux_ids": [1], "dtype": "float32"},
-                            EngineOptions(engine="vllm", tensor_parallel_size=2), max_model_len=8, itemsize=4,
+                            VllmOptions(tensor_parallel_size=2), max_model_len=8, itemsize=4,
                             on_gpu=False, architectures=[])
     assert not (tmp_path / "spool").exists()
     (target / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 8}}))
     from blockdraft.engines.vllm.engine_options import check_layout
 
-    check_layout(EngineOptions(engine="vllm", tensor_parallel_size=4), target)
+    check_layout(VllmOptions(tensor_parallel_size=4), target)
+
+
+def test_expert_parallel_is_refused_on_a_dense_target_and_on_vllm_cpu_without_a_stand_in(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A dense target under --expert-parallel went to vLLM unrefused; on vllm-cpu the expert kernel ignores
+    the expert map, and the engine failed 135 s into its start naming no cause. Both are one line before any
+    engine starts. A vLLM plugin that stands in for the kernel (the reference suite's vllm_standins.py, a
+    `vllm.general_plugins` entry point on the path) lifts the CPU refusal, and is named."""
+    import json
+
+    from blockdraft.engines.vllm.engine_options import CPU_EXPERTS, check_layout
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for d, c in ((dense, {"num_attention_heads": 8}), (moe, {"num_attention_heads": 8, "n_routed_experts": 8})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+    opts = VllmOptions(tensor_parallel_size=2, expert_parallel=True)
+    with pytest.raises(ValueError, match="this target is dense") as e:
+        launch.open_engines(tmp_path / "spool", {"target": str(dense), "aux_ids": [1], "dtype": "float32"}, opts,
+                            max_model_len=8, itemsize=4, on_gpu=True, architectures=[])
+    assert "\n" not in str(e.value) and not (tmp_path / "spool").exists()
+    check_layout(opts, moe, on_gpu=True)
+    with pytest.raises(ValueError, match="--expert-parallel on a CPU engine: vllm-cpu's expert kernel ignores"):
+        check_layout(opts, moe, on_gpu=False)
+    assert CPU_EXPERTS.endswith("stands in for the kernel")
+    standin = tmp_path / "standins" / "standins-0.dist-info"  # as reference/vllm_standins.py's standin_path
+    standin.mkdir(parents=True)
+    (standin / "METADATA").write_text("Metadata-Version: 2.1\nName: standins\nVersion: 0\n")
+    (standin / "entry_points.txt").write_text("[vllm.general_plugins]\nstandins = vllm_standins:register\n")
+    monkeypatch.syspath_prepend(str(standin.parent))
+    check_layout(opts, moe, on_gpu=False)
+    assert "through the vLLM plugin(s) standins = vllm_standins:register" in capsys.readouterr().out
+
+
+def test_the_engine_command_checks_its_flags_as_train_does_and_advises_its_own(tmp_path, capsys, monkeypatch):
+    """`blockdraft engine` took a --mooncake-master that train refuses (the same check now: HOST:PORT), and
+    its memory advice named --max-length, a flag it does not have (its own is --max-model-len)."""
+    import json
+
+    from blockdraft.cli import main
+    from blockdraft.engines.vllm import engine_options
+    from blockdraft.engines.vllm.serve import ServerOptions, server_command
+
+    for command in (["engine", "--target", "random:tiny"], ["train", "--engine", "vllm", "--engine-endpoints",
+                                                               "http://a:1"]):
+        with pytest.raises(SystemExit) as e:  # the parser's own one-line error
+            main([*command, "--mooncake-master", "nowhere"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--mooncake-master: 'nowhere': give the Mooncake master's HOST:PORT" in err[0], err
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8,
+                                                   "num_attention_heads": 2}))
+    monkeypatch.setattr(engine_options, "available_bytes", lambda: 2**20)
+    monkeypatch.setattr("blockdraft.engines.vllm.serve.gpu_here", lambda: False)
+    with pytest.raises(ValueError, match="shorten --max-model-len, or set --engine-memory") as e:
+        server_command(str(target), [1], [], ServerOptions(mooncake_master="h:1"), VllmOptions(), "py")
+    assert "--max-length" not in str(e.value)
 
 
 def test_states_files_are_safetensors_and_fp8_keeps_each_value_within_its_rounding(tmp_path):

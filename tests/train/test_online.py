@@ -16,7 +16,8 @@ import torch
 
 from blockdraft.data.pipeline import DataOptions
 from blockdraft.engines.vllm.feed import STAND_IN
-from blockdraft.engines.vllm.engine_options import EngineOptions
+from blockdraft.engines.options import RunnerOptions
+from blockdraft.engines.vllm.engine_options import VllmOptions
 from blockdraft.target import TargetOptions
 from blockdraft.train.build import DrafterOptions
 from blockdraft.extract import ExtractOptions, run_extract
@@ -42,7 +43,7 @@ def split(tmp_path_factory, chat_data):
     return d
 
 
-def config(target_dir, out, *, data: DataOptions, engine: EngineOptions | None = None, steps=4, kind="dflash",
+def config(target_dir, out, *, data: DataOptions, engine: VllmOptions | None = None, steps=4, kind="dflash",
            rows_per_step=2, eval_every=2):
     extra = {"dspark": dict(kind="dspark", markov_rank=8),
              "dflash2": dict(kind="dflash2", selector_rank=8, selector_top_k=4)}.get(kind, {})
@@ -51,7 +52,7 @@ def config(target_dir, out, *, data: DataOptions, engine: EngineOptions | None =
                      train=TrainConfig(out=str(out), steps=steps, batch_tokens=rows_per_step * L, max_anchors=16,
                                        eval_every=eval_every,
                                        save_every=100, lr=3e-3, warmup=1, progress=False),
-                     engine=engine or EngineOptions())
+                     engine=engine or RunnerOptions())
 
 
 def losses(out: Path) -> list[tuple]:
@@ -80,7 +81,7 @@ def test_online_training_equals_training_from_the_engine_cache(tmp_path, tiny_ta
 
     monkeypatch.setattr(launch.Engines, "stop", stop)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool"), data_parallel_size=replicas)
+    vllm = VllmOptions(spool=str(tmp_path / "spool"), data_parallel_size=replicas)
     for name in ("train", "held"):  # what extract --engine vllm stores, through the same engine process
         run_extract(TargetOptions(target=tiny_target_dir, num_features=3),
                     DataOptions(data=str(split / f"{name}.jsonl"), max_length=L), ExtractOptions(out=str(tmp_path / name)),
@@ -118,7 +119,7 @@ def test_the_spool_stays_within_its_budget(tmp_path, tiny_target_dir, split, sta
 
     row = state_bytes(L, 4, 32, 4)  # one row's states at most: 3 feature layers + the last, hidden 32, fp32
     budget = 2 * row
-    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool"), spool_gib=budget / 2**30)
+    vllm = VllmOptions(spool=str(tmp_path / "spool"), spool_gib=budget / 2**30)
     cfg = config(tiny_target_dir, tmp_path / "run", engine=vllm, steps=24, rows_per_step=1, eval_every=1000,
                  data=DataOptions(data=str(split / "train.jsonl"), max_length=L, max_rows=0, eval_fraction=0.1))
     seen = []
@@ -323,7 +324,7 @@ def test_fp8_states_train_as_their_cache_does_and_stay_within_fp8s_error(tmp_pat
 
     caches = {}
     for states in ("engine", "fp8"):
-        vllm = EngineOptions(engine="vllm", spool=str(tmp_path / f"spool-{states}"), engine_states=states)
+        vllm = VllmOptions(spool=str(tmp_path / f"spool-{states}"), engine_states=states)
         for name in ("train", "held"):
             run_extract(TargetOptions(target=tiny_target_dir, num_features=3),
                         DataOptions(data=str(split / f"{name}.jsonl"), max_length=L),
@@ -338,7 +339,7 @@ def test_fp8_states_train_as_their_cache_does_and_stay_within_fp8s_error(tmp_pat
                      data=DataOptions(features_cache=str(tmp_path / "train-fp8"),
                                       eval_features_cache=str(tmp_path / "held-fp8"), max_length=L, max_rows=0))
     online = config(tiny_target_dir, tmp_path / "online",
-                    engine=EngineOptions(engine="vllm", spool=str(tmp_path / "spool"), engine_states="fp8"),
+                    engine=VllmOptions(spool=str(tmp_path / "spool"), engine_states="fp8"),
                     data=DataOptions(data=str(split / "train.jsonl"), eval_data=str(split / "held.jsonl"), max_length=L,
                                      max_rows=0))
     run_training(offline)
@@ -354,13 +355,13 @@ def test_a_spool_smaller_than_one_micro_batch_is_refused_before_any_engine_start
     row = state_bytes(L, 4, 32, 4)  # one full row's states: 3 feature layers + the last, hidden 32, fp32
     monkeypatch.setattr(launch, "start_engines", lambda *a, **kw: pytest.fail("an engine was started"))
     for rows_per_step, budget in ((1, row // 4), (2, row)):  # far below one row; below two full-ish rows
-        vllm = EngineOptions(engine="vllm", spool=str(tmp_path / f"spool{rows_per_step}"), spool_gib=budget / 2**30)
+        vllm = VllmOptions(spool=str(tmp_path / f"spool{rows_per_step}"), spool_gib=budget / 2**30)
         cfg = config(tiny_target_dir, tmp_path / f"run{rows_per_step}", engine=vllm, rows_per_step=rows_per_step,
                      data=DataOptions(data=str(split / "train.jsonl"), max_length=L, max_rows=0, eval_fraction=0.1))
         with pytest.raises(ValueError, match=rf"{rows_per_step} rows of a micro-batch need at least .* GiB of "
                                              r"states at once, more than the spool's .*: raise --spool-gib"):
             run_training(cfg)
-    vllm = EngineOptions(engine="vllm", spool=str(tmp_path / "spool-x"), spool_gib=row / 4 / 2**30)
+    vllm = VllmOptions(spool=str(tmp_path / "spool-x"), spool_gib=row / 4 / 2**30)
     with pytest.raises(ValueError, match=r"a row needs .* GiB of states at once, more than the spool's .*: raise "
                                          r"--spool-gib"):  # extract --engine vllm asks for one row at a time
         run_extract(TargetOptions(target=tiny_target_dir, num_features=3),

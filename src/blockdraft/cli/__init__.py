@@ -144,7 +144,7 @@ def _signal_as_interrupt(seen: dict):
 def _run(args, interrupted: list) -> int:
     from safetensors import SafetensorError
 
-    from ..engines.vllm.job import EngineFailed
+    from ..engines import EngineFailed
     from ..preempt import Preempted
 
     if interrupted:  # an interrupt during the imports that a library caught and went on from

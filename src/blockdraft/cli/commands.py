@@ -31,7 +31,7 @@ def cmd_regenerate(args) -> int:
     _distinct_files(args)
     parse = None
     if args.tool_call_parser or args.reasoning_parser:
-        from ..engines.vllm.parsers import server_parser
+        from ..engines import server_parser
 
         parse = server_parser(args.tool_call_parser, args.reasoning_parser)  # refused before any work
     if args.prompts == "default":
@@ -210,25 +210,24 @@ def cmd_bench(args) -> int:
 
 def cmd_extract(args) -> int:
     from ..data.pipeline import DataOptions
-    from ..engines.vllm.engine_options import EngineOptions
+    from ..engines import options_from_args
     from ..options import from_args
     from ..target import TargetOptions
     from ..extract import ExtractOptions, run_extract
 
     _threads(args)
     out = run_extract(from_args(TargetOptions, args), from_args(DataOptions, args), from_args(ExtractOptions, args),
-                      from_args(EngineOptions, args))
+                      options_from_args(args, "extract"))
     print(f"feature cache written to {out}")
     return 0
 
 
 def cmd_engine(args) -> int:
-    from ..engines.vllm.engine_options import EngineOptions
-    from ..engines.vllm.serve import ServerOptions, run_server
+    from ..engines import server
     from ..options import from_args
     from ..target import TargetOptions
 
-    return run_server(from_args(TargetOptions, args), from_args(ServerOptions, args), from_args(EngineOptions, args))
+    return server().serve(from_args(TargetOptions, args), args)
 
 
 def cmd_convert(args) -> int:

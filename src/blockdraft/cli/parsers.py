@@ -47,15 +47,15 @@ def _target_args(p, *, features: bool = False) -> None:
 def train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """`train`'s flags, generated from RunConfig's parts (their fields hold the defaults and help)."""
     from ..data.pipeline import DataOptions
-    from ..engines.vllm.engine_options import EngineOptions
     from ..options import add_options
     from ..train.build import DrafterOptions
     from ..train.train_options import TrainConfig
 
     p = p or argparse.ArgumentParser(prog="blockdraft train", add_help=False)
     _target_args(p, features=True)
-    for cls in (DataOptions, DrafterOptions, TrainConfig, EngineOptions):
+    for cls in (DataOptions, DrafterOptions, TrainConfig):
         add_options(p, cls)
+    _runner_flags(p, "train")
     p.add_argument("--config", default=None, metavar="FILE", type=Checked(str, check=existing("file")),
                    help="replay a run's train_config.json; flags given beside it override it (default: none)")
     return p
@@ -65,20 +65,45 @@ def train_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 def train_config(args, argv: list[str] | None = None):
     """The RunConfig the flags describe; with --config FILE, that run's configuration with the flags
     given on the command line laid over it."""
+    from ..engines import options_from_args, runner_options
     from ..options import explicit_flags, from_args, replace_from
     from ..train.run import RunConfig
 
-    parts = {name: from_args(type(getattr(RunConfig(), name)), args) for name in RunConfig.PARTS}
     given = frozenset(explicit_flags(train_parser(), list(argv or [])))
     if not getattr(args, "config", None):
-        return RunConfig(**parts, given=given)
+        parts = {name: from_args(type(getattr(RunConfig(), name)), args) for name in RunConfig.PARTS
+                 if name != "engine"}
+        return RunConfig(**parts, engine=options_from_args(args, "train"), given=given)
     base = RunConfig.from_json(args.config)
-    for name in RunConfig.PARTS:
+    for name in (n for n in RunConfig.PARTS if n != "engine"):
         part = getattr(base, name)
-        chosen = {f: getattr(parts[name], f) for f in vars(part) if f in given}
+        chosen = {f: getattr(args, f) for f in vars(part) if f in given}
         setattr(base, name, replace_from(part, chosen))
+    # the engine section: the file's, with the runner flags given laid over it (another runner's refused)
+    engine = {**vars(base.engine), **{f: getattr(args, f) for f in given if f in runner_names(args)}}
+    base.engine = runner_options(engine, "train")
     base.given, base.source = given, args.config
     return base
+
+
+def runner_names(args) -> set[str]:
+    """The runner options' flags a command's parsed arguments hold (every runner's)."""
+    import dataclasses
+
+    from ..engines import all_runners
+
+    return {f.name for r in all_runners() for f in dataclasses.fields(r.options) if hasattr(args, f.name)}
+
+
+def _runner_flags(p, command: str) -> None:
+    """--engine, then each runner's own flags for `command` (a group each)."""
+    from ..engines import all_runners
+    from ..engines.options import RunnerOptions
+    from ..options import add_options
+
+    add_options(p, RunnerOptions)
+    for r in all_runners():
+        r.add_flags(p, command)
 
 
 
@@ -139,25 +164,22 @@ def _prompts_flags(p) -> None:
 
 def _extract_flags(x) -> None:
     from ..data.pipeline import DataOptions
-    from ..engines.vllm.engine_options import EngineOptions
     from ..options import add_options
-    from ..extract import ENGINE_FLAGS, ExtractOptions
+    from ..extract import ExtractOptions
 
     _target_args(x, features=True)
     add_options(x, DataOptions, only=("data", "max_length", "skip_bad_lines"))
     add_options(x, ExtractOptions)
-    add_options(x, EngineOptions, only=ENGINE_FLAGS)
+    _runner_flags(x, "extract")
 
 
 def _engine_flags(e) -> None:
-    from ..engines.vllm.engine_options import EngineOptions
-    from ..engines.vllm.serve import ENGINE_FLAGS, ServerOptions
+    from ..engines import server
     from ..options import add_options
     from ..target import TargetOptions
 
     add_options(e, TargetOptions, only=("target", "num_features", "layer_ids"))
-    add_options(e, ServerOptions)
-    add_options(e, EngineOptions, only=ENGINE_FLAGS)
+    server().add_flags(e, "engine")
 
 
 def _convert_flags(c) -> None:

@@ -1,6 +1,6 @@
-"""The one interface every consumer module of `blockdraft.engines` fills in: an `Engine`.
+"""The one interface every consumer module of `blockdraft.engines` fills in: a `Consumer`.
 
-An engine is a program that loads blockdraft's exported files and runs the drafter (vLLM, SGLang,
+A consumer is a program that loads blockdraft's exported files and runs the drafter (vLLM, SGLang,
 llama.cpp) or a library that does (z-lab's dflash, speculators). Each says, from its own source as
 read in the release named in `release`:
 
@@ -60,7 +60,10 @@ def _no_quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
 
 
 @dataclass(frozen=True)
-class Engine:
+class Consumer:
+    """What reads blockdraft's exported files (a server or a library); what runs the target for a command is
+    a `runners.Runner` instead."""
+
     name: str  # as the formats' Difference records name the consumer
     release: str  # the release whose source the tables below were read from
     formats: tuple[str, ...]
@@ -99,8 +102,6 @@ def architectures(target) -> list[str]:
     """The HF architecture names a target's config gives (its class name when it gives none): what
     an engine's registry is keyed by."""
     return list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
-
-
 
 
 def installed_tree(package: str, marker: str) -> Path | None:

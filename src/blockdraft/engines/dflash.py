@@ -1,4 +1,4 @@
-"""z-lab's dflash as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): its
+"""z-lab's dflash as a consumer of blockdraft's drafters (one `Consumer` of blockdraft.engines): its
 `DFlashDraftModel` and `DFlash2DraftModel` load the z-lab layout (`convert --to zlab`, and `train`'s
 own directories); it has no DSpark model. It runs the target with transformers, so any target
 transformers loads can hand it hidden states.
@@ -7,7 +7,7 @@ transformers loads can hand it hidden states.
 from __future__ import annotations
 
 from ..config import WINDOW_ANCHOR, DrafterConfig
-from .base import ANCHOR_RULE_SERVED, Difference, Engine, ignores_draft_vocab
+from .base import ANCHOR_RULE_SERVED, Difference, Consumer, ignores_draft_vocab
 
 DFLASH_READ = "0.1.0"
 
@@ -33,7 +33,7 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
         out.append(Difference("dflash", False, "has no Domino (no DominoDraftModel): it does not load this drafter"))
     return out
 
-ENGINE = Engine(
+CONSUMER = Consumer(
     name="dflash", release=f"dflash {DFLASH_READ}", formats=("zlab",),
     kinds={"dflash": "", "dflash2": "z-lab layout"},
     refused_kinds={"dspark": "it drops the Markov and confidence heads", "lilicorr": "no LiLiCorr",

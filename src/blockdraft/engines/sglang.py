@@ -1,4 +1,4 @@
-"""SGLang as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): it reads the
+"""SGLang as a consumer of blockdraft's drafters (one `Consumer` of blockdraft.engines): it reads the
 z-lab layout and serves DFlash drafters only (`SGLANG_READ`), for the HF architectures below.
 
 SGLang's DFlash worker asks the target model for its drafter's context once, before CUDA graphs
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..config import WINDOW_ANCHOR, DrafterConfig
 from ..releases import SGLANG_RELEASE
-from .base import ANCHOR_RULE_SERVED, Difference, Engine, ignores_draft_vocab, installed_tree, installed_version
+from .base import ANCHOR_RULE_SERVED, Difference, Consumer, ignores_draft_vocab, installed_tree, installed_version
 
 CAPTURE_METHOD = "set_dflash_layers_to_capture"
 SGLANG_READ = SGLANG_RELEASE
@@ -252,7 +252,7 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
     return out
 
 
-ENGINE = Engine(
+CONSUMER = Consumer(
     name="SGLang", release=f"SGLang {SGLANG_READ}", formats=("zlab",), kinds={"dflash": ""},
     refused_kinds={"dspark": "DFlash drafters only", "dflash2": "DFlash drafters only",
                    "lilicorr": "DFlash drafters only (its LiLiCorr PR #37462 is not in this release)",

@@ -1,4 +1,4 @@
-"""speculators as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): its
+"""speculators as a consumer of blockdraft's drafters (one `Consumer` of blockdraft.engines): its
 DFlash, DSpark and DFlash2 models load the speculators layout (`convert --to speculators`) for
 training and evaluation; its DFlash2 needs the full target vocabulary. It runs the target with
 transformers, so any target transformers loads can hand it hidden states.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..config import WINDOW_QUERY, DrafterConfig
 from ..releases import SPECULATORS_RELEASE
-from .base import Difference, Engine
+from .base import Difference, Consumer
 
 SPECULATORS_READ = SPECULATORS_RELEASE
 
@@ -33,7 +33,7 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
                                                     "the export is refused"))
     return out
 
-ENGINE = Engine(
+CONSUMER = Consumer(
     name="speculators", release=f"speculators {SPECULATORS_READ}", formats=("speculators",),
     kinds={"dflash": "", "dspark": "", "dflash2": "full vocabulary only"}, quirks=quirks,
     refused_kinds={"lilicorr": f"no LiLiCorr in {SPECULATORS_READ}", "domino": "no Domino (its issue #773)"},

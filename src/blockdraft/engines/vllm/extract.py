@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .engine_options import EngineOptions
+from .engine_options import VllmOptions
 
 
-def extract_with_vllm(target_opts, data, opts, engine: EngineOptions) -> str:
+def extract_with_vllm(target_opts, data, opts, engine: VllmOptions) -> str:
     """`extract --engine vllm`: vLLM engine replicas capture each row's documents, a few rows ahead of
     this process, through a bounded spool; this process writes the same shards as `extract`, taking
     the final state from the target's own final norm and the argmax from its own head
@@ -53,7 +53,7 @@ def extract_with_vllm(target_opts, data, opts, engine: EngineOptions) -> str:
 
 
 def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows: int, dtype: torch.dtype,
-                    engine: EngineOptions) -> None:
+                    engine: VllmOptions) -> None:
     """The missing shards' rows (`order`), captured by engines started for them (or running on the spool)."""
     from ...data.features import extract, throughput
     from ...target import final_norm_of
@@ -100,12 +100,12 @@ def _capture_shards(target, rows: dict, out: Path, order: list[int], shard_rows:
         engines.stop(remove=ok, timeout=120.0 if ok else 5.0)  # a failed run waits on no hung engine
 
 
-def vllm_identity(engine: EngineOptions) -> dict:
+def vllm_identity(engine: VllmOptions) -> dict:
     """What a vLLM cache's shards must share to be completed together: fp8 states are a different capture."""
     return {"engine": "vllm", **({"engine_states": "fp8"} if engine.engine_states == "fp8" else {})}
 
 
-def check_extract(target_opts, engine: EngineOptions) -> None:
+def check_extract(target_opts, engine: VllmOptions) -> None:
     """What `extract --engine vllm` refuses before it loads anything: torchrun, a placed target, no vLLM."""
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise ValueError("extract --engine vllm runs vLLM's own parallelism: start it once, not under torchrun "

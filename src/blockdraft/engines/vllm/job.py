@@ -23,10 +23,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..runners import EngineFailed as Failed
 from .engine_options import cpu_kv_bytes
 
 
-class EngineFailed(RuntimeError):
+class EngineFailed(Failed):
     """A vLLM engine that did not start or stopped: one line naming vLLM's own reason and the log (a
     job's failure also keeps the log's tail in `tail`)."""
 

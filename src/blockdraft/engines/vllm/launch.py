@@ -298,14 +298,14 @@ def start_engines(spool: Spool, job: dict, *, replicas: int, gpus_per_replica: i
 
 def attach_engines(spool: Spool, replicas: int | None = None, opts=None) -> Engines:
     """The replicas another process on this node started for this spool (all of them by default);
-    `opts`: the command's EngineOptions, whose timeouts apply."""
+    `opts`: the command's VllmOptions, whose timeouts apply."""
     n = replicas if replicas is not None else len(list(spool.root.glob("engine-*.job.json")))
     return timed(Engines(spool, [Replica(k, spool.root / f"engine-{k}.json", spool.root / f"engine-{k}.log")
                                  for k in range(n)]), opts)
 
 
 def timed(engines: Engines, opts) -> Engines:
-    """The engines with the start and stall timeouts of `opts` (EngineOptions; None: the defaults)."""
+    """The engines with the start and stall timeouts of `opts` (VllmOptions; None: the defaults)."""
     if opts is not None:
         engines.start_s, engines.stall_s = 60 * opts.engine_start_min, 60 * opts.engine_stall_min
     return engines
@@ -336,10 +336,10 @@ def running(root: Path, want: dict) -> Engines | None:
 def open_engines(root: Path, want: dict, opts, *, max_model_len: int, itemsize: int, on_gpu: bool,
                  architectures: list[str], say=print) -> Engines:
     """The engines feeding the spool at `root`: those already running there for `want` (target, aux ids,
-    dtype), else new ones started for it on an emptied spool (`opts`: the command's EngineOptions)."""
+    dtype), else new ones started for it on an emptied spool (`opts`: the command's VllmOptions)."""
     from .engine_options import check_layout, gpus_per_replica, memory_kwargs, spool_budget
 
-    check_layout(opts, want["target"])
+    check_layout(opts, want["target"], on_gpu=on_gpu)
     engines = running(root, want)
     if engines is not None:
         say(f"engine: {len(engines.replicas)} vLLM replica(s) already feed {root}: joining them")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .engine_options import EngineOptions, engine_gpus, node_rank, spool_dir
+from .engine_options import VllmOptions, engine_gpus, node_rank, spool_dir
 
 
 @dataclass
@@ -62,7 +62,7 @@ def check_online(cfg) -> None:
     require_vllm(cfg.engine, "train")
 
 
-def engine_dtype(opts: EngineOptions, on_gpu: bool) -> str:
+def engine_dtype(opts: VllmOptions, on_gpu: bool) -> str:
     return opts.engine_dtype if opts.engine_dtype != "auto" else ("bfloat16" if on_gpu else "float32")
 
 
@@ -162,7 +162,8 @@ def start_remote(cfg, target, train_rows: dict, eval_rows: dict | None, rank: in
     stall_s = 60.0 * opts.engine_stall_min
     servers = Servers(parse_endpoints(opts.engine_endpoints), timeout_s=stall_s)
     servers.connect(wait_s=stall_s)
-    store = Store(opts.mooncake_master, timeout_s=stall_s)
+    out = Path(cfg.train.out)  # Mooncake's own log beside the run (as a spool is), the terminal kept for ours
+    store = Store(opts.mooncake_master, timeout_s=stall_s, log=out.parent / f".{out.name}.mooncake-r{rank}.log")
     itemsize = torch.empty(0, dtype=target.dtype).element_size()
     budget = int(opts.store_gib * 2**30) // max(1, world)
     tag = hashlib.sha256(str(Path(cfg.train.out).resolve()).encode()).hexdigest()[:8]
@@ -190,7 +191,7 @@ def describe_layout(layout: dict) -> str:
             + (" with experts spread" if layout.get("expert_parallel") else ""))
 
 
-def node_split(opts: EngineOptions) -> int:
+def node_split(opts: VllmOptions) -> int:
     """The GPU index training rank 0 of a node starts at: after the engine replicas' GPUs, or at the first
     of them when the ranks share them (--share-gpus)."""
     need = engine_gpus(opts)

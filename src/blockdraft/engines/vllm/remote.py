@@ -20,22 +20,76 @@ behind a router or be vLLM's own data parallel: any server that answers is as go
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
 from .job import EngineFailed
 
 KEY_PREFIX = "bd-"  # request ids this trainer sends start so (vLLM prefixes "cmpl-"; the store keys follow)
+SAY_EVERY_S = 60.0  # a wait longer than this says what it waits for, once each such span
+MASTER_PROBE_S = 10.0  # how long the master's port may take to accept a connection before it is reported
+
+
+def result_saying(future, what: str, every_s: float = SAY_EVERY_S):
+    """`future.result()`, with a line every `every_s` while it is not done, naming `what` it waits for."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            return future.result(timeout=every_s)
+        except TimeoutError:
+            if future.done():  # the work itself timed out: its own error
+                raise
+            print(f"engine: still waiting for {what} after {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def probe_master(master: str, timeout_s: float = MASTER_PROBE_S) -> None:
+    """One line, at once, when nothing accepts a connection at the Mooncake master's HOST:PORT (Mooncake's
+    own client would retry for minutes, logging each try)."""
+    import socket
+
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise EngineFailed(f"the Mooncake store's master at {master} could not be reached ({e}): start it "
+                           "(mooncake_master --rpc_port=PORT) or correct --mooncake-master") from None
+
+
+@contextlib.contextmanager
+def output_to(log: Path | None):
+    """This process's stdout and stderr, at the file descriptors (a C++ library's own log), appended to
+    `log` while inside (None: left as they are)."""
+    if log is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(log, "ab") as fh:
+            os.dup2(fh.fileno(), 1)
+            os.dup2(fh.fileno(), 2)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
 
 
 def _post(url: str, body: dict, headers: dict, timeout: float) -> dict:
@@ -60,11 +114,13 @@ class Servers:
         self.served = {u: {"items": 0, "tokens": 0} for u in urls}
         self._next, self._lock = 0, threading.Lock()
 
-    def connect(self, wait_s: float, grace_s: float = 60.0) -> None:
+    def connect(self, wait_s: float, grace_s: float = 60.0, every_s: float = SAY_EVERY_S) -> None:
         """Each server's model, waiting up to `wait_s` for servers still starting. Once one answers, the
         others get `grace_s` more, then are taken out (a warning each): a dead server in the list never
-        holds the run back. One line naming each when none answers."""
-        deadline, why = time.monotonic() + wait_s, {}
+        holds the run back. One line naming each when none answers; while waiting, a line every `every_s`
+        naming the servers waited for and why."""
+        t0, why = time.monotonic(), {}
+        deadline, said = t0 + wait_s, t0
         while True:
             for u in self.urls:
                 if u in self.model:
@@ -77,7 +133,12 @@ class Servers:
                 break
             if self.model:
                 deadline = min(deadline, time.monotonic() + grace_s)
-            time.sleep(1.0)
+            if time.monotonic() - said >= every_s:
+                said = time.monotonic()
+                waiting = "; ".join(f"{u} ({why.get(u)})" for u in self.urls if u not in self.model)
+                print(f"engine: waited {said - t0:.0f} s of at most {wait_s:.0f} s (--engine-stall-min) for the "
+                      f"engine servers to answer: {waiting}", flush=True)
+            time.sleep(min(1.0, every_s))
         if not self.model:
             raise EngineFailed("the engine servers did not answer: " + "; ".join(f"{u} ({why[u]})" for u in self.urls))
         for u in self.urls:
@@ -128,11 +189,13 @@ class Servers:
 
 class Store:
     """This rank's client of the Mooncake store (hs-connectors' `MooncakeHiddenStatesStore`), every
-    failure one line naming the master."""
+    failure one line naming the master; Mooncake's own log of its setup goes to `log` (None: the terminal)."""
 
-    def __init__(self, master: str, timeout_s: float):
+    def __init__(self, master: str, timeout_s: float, log: Path | None = None):
         from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
+        probe_master(master)
+        self.log = log
         host = os.environ.get("BLOCKDRAFT_MOONCAKE_HOST") or "127.0.0.1"
         # how long states a server answered for may take to appear (vLLM answers before its put ends)
         self.master, self.timeout_s = master, min(60.0, timeout_s)
@@ -141,14 +204,17 @@ class Store:
             local_hostname=host, master_server_address=master, global_segment_size=0,
             local_buffer_size=16 << 20, protocol=os.environ.get("BLOCKDRAFT_MOONCAKE_PROTOCOL", "tcp")))
         try:
-            self.store.setup()
+            with output_to(log):
+                self.store.setup()
         except (RuntimeError, OSError) as e:
-            raise EngineFailed(f"the Mooncake store's master at {master} could not be reached ({e})") from None
+            where = f"; Mooncake's own log: {log}" if log is not None else ""
+            raise EngineFailed(f"the Mooncake store's master at {master} could not be reached ({e}){where}") from None
 
     def close(self) -> None:
         """The client's connections closed (its threads would otherwise go on calling a master)."""
         if self.store.is_setup:
-            self.store._require_store().close()
+            with output_to(self.log):
+                self.store._require_store().close()
             self.store._store = None
 
     def clear(self, prefix: str) -> None:
@@ -295,7 +361,8 @@ class RemoteReader:
         if a.futures is None:
             raise RuntimeError(f"item {a.key} was read before it was asked of the servers")
         t0 = time.monotonic()
-        got = {name: f.result() for (name, _), f in zip(a.docs, a.futures)}
+        got = {name: result_saying(f, f"the states of document {name} (item {a.key}) from the engine servers")
+               for (name, _), f in zip(a.docs, a.futures)}
         self.waited = getattr(self, "waited", 0.0) + time.monotonic() - t0
         from .capture import segment_name
 

@@ -9,6 +9,12 @@ from __future__ import annotations
 from ...releases import VLLM_SERIES
 from ..runners import Runner
 from ..transformers import context_length
+from .engine_options import VllmOptions
+
+# VllmOptions' flags extract takes (--dtype is the engine's precision; its GPUs are all the engine's)
+EXTRACT_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "data_parallel_size",
+                 "engine_memory", "quantization", "engine_eager", "engine_states", "engine_start_min",
+                 "engine_stall_min", "engine_untested", "engine_python", "spool", "spool_gib")
 
 
 def _config(local_dir):
@@ -53,7 +59,37 @@ class VllmGenerator:
 
 class VllmRunner(Runner):
     name = "vllm"
+    title = "vLLM"
     in_process = False
+    serves = True
+    options = VllmOptions
+
+    def flags(self, command: str) -> tuple[str, ...]:
+        from .serve import ENGINE_FLAGS
+
+        return {"extract": EXTRACT_FLAGS, "engine": ENGINE_FLAGS}.get(command) or super().flags(command)
+
+    def add_flags(self, parser, command: str) -> None:
+        if command == "engine":  # the server's own options first: `blockdraft engine` is vLLM's server
+            from ...options import add_options
+            from .serve import ServerOptions
+
+            add_options(parser, ServerOptions)
+        super().add_flags(parser, command)
+
+    def check(self, opts, command: str) -> None:
+        from .engine_options import check_engine_flags
+
+        check_engine_flags(opts, command)
+
+    def serve(self, target_opts, args) -> int:
+        """`blockdraft engine`: vLLM's OpenAI server for the target's layers, its flags checked as train's."""
+        from ...options import from_args
+        from .serve import ServerOptions, run_server
+
+        opts = VllmOptions(**{k: getattr(args, k) for k in self.flags("engine")})
+        self.check(opts, "engine")
+        return run_server(target_opts, from_args(ServerOptions, args), opts)
 
     def generator(self, target: str, *, tensor_parallel_size: int = 1, memory: float | None = None,
                   max_length: int | None = None, **_) -> VllmGenerator:
@@ -85,6 +121,14 @@ class VllmRunner(Runner):
 
         check_online(cfg)
 
+    def load_target(self, cfg, device: str):
+        """Its embedding, head and final norm: the engine runs the layers."""
+        from ...target import TargetModel
+
+        t = cfg.target
+        return TargetModel.head_only(t.target, layer_ids=t.layer_ids, num_features=t.num_features, device=device,
+                                     final_norm=True)
+
     def features(self, cfg, target, train_rows: dict, eval_rows: dict | None, rank: int, world: int):
         from .online import start_online
 
@@ -100,7 +144,8 @@ class VllmRunner(Runner):
 
         return trainer_memory_fraction(opts)
 
-    def extract(self, target_opts, data, opts, engine) -> str:
+    def extract(self, target_opts, data, opts, engine, join) -> str:
+        """Engines started for the command (it is not run under torchrun: `join` is not called)."""
         from ...data.features import OWNER
         from ...rundir.directory import RunDir
         from .extract import extract_with_vllm

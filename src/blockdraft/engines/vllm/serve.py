@@ -18,6 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from ...options import opt
+from .engine_options import check_master
 
 
 @dataclass
@@ -25,7 +26,7 @@ class ServerOptions:
     """Where the server listens and what it gives the store."""
 
     mooncake_master: str | None = opt(None, "the Mooncake store's master, HOST:PORT (required; start it with mooncake_master "
-                                   "--rpc_port=PORT on any node)")
+                                   "--rpc_port=PORT on any node)", check=check_master)
     port: int = opt(8000, "the port the server listens on", min=1, max=65535)
     host: str = opt("0.0.0.0", "the address the server listens on")
     advertise: str | None = opt(None, "the address the trainers reach this node's store segment at (default: this "
@@ -67,7 +68,8 @@ def server_command(target_dir: str, aux_ids: list[int], architectures: list[str]
         from .engine_options import cpu_kv_bytes
 
         itemsize = 2 if dtype in ("bfloat16", "float16") else 4
-        argv += ["--kv-cache-memory-bytes", str(cpu_kv_bytes(target_dir, server.max_model_len, len(aux_ids), itemsize))]
+        kv = cpu_kv_bytes(target_dir, server.max_model_len, len(aux_ids), itemsize, length_flag="--max-model-len")
+        argv += ["--kv-cache-memory-bytes", str(kv)]
     argv += ["--quantization", engine.quantization] if engine.quantization else []
     argv += ["--enforce-eager"] if engine.engine_eager else []
     pkg = plugin_path(cache_dir() / "engine")
@@ -85,7 +87,7 @@ def kv_transfer_config(mooncake: dict) -> str:
                        "kv_connector_extra_config": {"mooncake": mooncake}})
 
 
-# EngineOptions' flags `blockdraft engine` takes: how vLLM runs the target on this node
+# VllmOptions' flags `blockdraft engine` takes: how vLLM runs the target on this node
 ENGINE_FLAGS = ("tensor_parallel_size", "expert_parallel", "data_parallel_size", "engine_memory", "engine_dtype",
                 "quantization", "engine_eager", "engine_python")
 
@@ -107,7 +109,7 @@ def run_server(target_opts, server: ServerOptions, engine) -> int:
     text = config.get("text_config", config)
     n = int(text["num_hidden_layers"])
     ids = target_opts.layer_ids or default_target_layer_ids(n, target_opts.num_features)
-    check_layout(engine, local)
+    check_layout(engine, local, on_gpu=gpu_here())
     argv, env = server_command(str(local), capture_ids(validate_layer_ids(ids, n), n),
                                config.get("architectures") or [], server, engine)
     print(describe(argv, env), flush=True)

@@ -90,7 +90,7 @@ def weight_bytes(config, scheme: str) -> int:
     """The checkpoint's bytes for a scheme, from the parameters of the model built on the meta device."""
     import torch
 
-    from ...target.classes import auto_class
+    from blockdraft.target.classes import auto_class
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; one of {SCHEMES}")
