@@ -34,11 +34,11 @@ others() {
   # a team of two there stalls at every op while one of its threads has no core (seen: SpecForge's part used
   # 10 CPU minutes at two threads without finishing; at one it took 5.0 minutes beside the vLLM part)
   if [ "$(nice)" -gt 0 ]; then export REFERENCE_THREADS="${REFERENCE_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
-  .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --durations=8 --basetemp="$BASE/spec" -rs \
+  .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --durations=12 --basetemp="$BASE/spec" -rs \
     reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py reference/test_modelopt.py \
     || echo "reference part failed: speculators, dflash, SpecForge, Model-Optimizer" >> "$BASE/failed"
   BLOCKDRAFT_LLAMA_SERVER="$ROOT/.venv-ref-llama/bin/llama-server" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \
-    --durations=8 --basetemp="$BASE/llama" -rs reference/test_llamacpp.py \
+    --durations=20 --basetemp="$BASE/llama" -rs reference/test_llamacpp.py \
     || echo "reference part failed: llama.cpp" >> "$BASE/failed"
   BLOCKDRAFT_LLAMA_TEMPLATES="$ROOT/.venv-ref-llama/templates" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \
     --durations=4 --basetemp="$BASE/templates" -rs reference/test_templates.py \
@@ -48,7 +48,7 @@ others() {
     reference/test_vllm_releases.py || echo "reference part failed: the vLLM release records" >> "$BASE/failed"
 }
 vllm() {
-  .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
+  .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=45 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
     reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_nodes.py reference/test_vllm_capture.py \
     reference/test_vllm_parsers.py reference/test_vllm_lilicorr.py \
     || echo "reference part failed: vLLM" >> "$BASE/failed"
