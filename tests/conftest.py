@@ -18,6 +18,21 @@ torch.set_num_threads(1)
 V = 160
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """Each test starts with Python's own SIGINT handler and leaves SIGINT, SIGTERM and SIGUSR1 as it found
+    them: a handler one test left in place changed what a later test of the same process saw (under two
+    xdist workers, a Ctrl-C raised during the imports was no longer delivered by `cli.exits.interrupts`)."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    for s, handler in saved.items():
+        if handler is not None:
+            signal.signal(s, handler)
+
+
 def free_port() -> int:
     """A local TCP port nothing listens on now (for a spawned process group's rendezvous)."""
     with socket.socket() as s:
