@@ -76,14 +76,19 @@ def test_features_and_labels_are_the_wrappers_own(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", [present(a) for a in ONE_STREAM])
 def test_greedy_speculative_output_is_the_wrappers_own_greedy_decode(arch, tmp_path):
+    ref = saved(arch, tmp_path)
+    assert_greedy_identity(ref, loaded(tmp_path, [0, 2]))
+
+
+def assert_greedy_identity(model, t) -> None:
+    """blockdraft's speculative greedy decode with a random drafter on target `t` is `model`'s own greedy
+    `generate` (`model`: the transformers model `t` was loaded from, or wraps)."""
     from blockdraft.generate import speculative_generate
 
-    ref = saved(arch, tmp_path)
-    t = loaded(tmp_path, [0, 2])
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig.for_target(t, num_layers=1, block_size=4)).eval()
     ids = torch.randint(3, V - 1, (1, 9), generator=torch.Generator().manual_seed(1))
-    want = ref.generate(ids, max_new_tokens=14, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = model.generate(ids, max_new_tokens=14, do_sample=False, eos_token_id=None, pad_token_id=0)
     got = speculative_generate(t, d, ids, max_new_tokens=14)
     assert got.tokens == want[0, ids.shape[1]:].tolist()
 
