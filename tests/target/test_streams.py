@@ -193,11 +193,7 @@ def test_doctor_and_a_short_train_on_a_saved_hyper_connection_target(arch, tmp_p
     assert rc == 0 and "FAIL" not in out and "PASS  labels" in out, out
     assert ("PASS  greedy identity" if generates else "SKIP  greedy identity") in out, out
     assert generates or "(DeepseekV4CSACache) cannot be cropped" in out, out
-    run_dir = tmp_path / "run"
-    rc, out = run(capsys, "train", "--target", str(target), "--data", chat_data, "--out", str(run_dir), "--steps", "2",
-                  "--max-length", "128", "--batch-tokens", "256", "--max-anchors", "16", "--eval-every", "2",
-                  "--eval-fraction", "0.1", "--no-progress", "--threads", "1")
-    assert rc == 0, out
-    rc, out = run(capsys, "doctor", "--target", str(target), "--drafter", str(run_dir / "drafter"), "--threads", "1")
-    assert rc == 0 and "FAIL" not in out, out
+    from .test_wrappers import train_then_doctor
+
+    out = train_then_doctor(capsys, target, chat_data, tmp_path / "run")
     assert ("PASS  serving = training" if generates else "SKIP  serving = training") in out, out
