@@ -4,13 +4,13 @@
 # converts the SmolLM2 target into the local cache the reference environments read.
 #   MAIN_PYTHON   the project's interpreter (default .venv/bin/python), used to fill the cache
 #   REFERENCE_RESULTS  where the vLLM figures are written (default runs/reference-vllm.json)
-# bash reference/run.sh [all|vllm|others]: all (the default) runs the vLLM files and, beside them at the lowest
-# priority, the others (speculators, dflash, SpecForge, Model-Optimizer; llama.cpp; the real chat templates;
-# the vLLM release records);
-# vllm or others runs that part alone (.ci/run starts the others as soon as their environments are built).
+# bash reference/run.sh [all|vllm|others|spec|local]: all (the default) runs the vLLM files and, beside them at the
+# lowest priority, the others: spec (speculators, dflash, SpecForge, Model-Optimizer) and local (llama.cpp; the real
+# chat templates; the vLLM release records); vllm, others, spec or local runs that part alone (.ci/run starts
+# local as soon as its environments are built, and runs spec after the vLLM part).
 set -euo pipefail
 PART="${1:-all}"
-case "$PART" in all|vllm|others) ;; *) echo "usage: bash reference/run.sh [all|vllm|others]" >&2; exit 2 ;; esac
+case "$PART" in all|vllm|others|spec|local) ;; *) echo "usage: bash reference/run.sh [all|vllm|others|spec|local]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 bash reference/setup.sh
@@ -29,14 +29,20 @@ mkdir -p "$BASE"
 # left 29% of the two cores idle over its 28 minutes, vmstat). The other parts run beside it at the lowest
 # priority, in the order below, and take what it leaves; their output follows the vLLM part's. Each part's
 # failure fails the run.
-others() {
+threads_beside() {
   # at a lowered priority (beside the vLLM part, or as .ci/run starts it), one thread each (torch, llama-server):
   # a team of two there stalls at every op while one of its threads has no core (seen: SpecForge's part used
   # 10 CPU minutes at two threads without finishing; at one it took 5.0 minutes beside the vLLM part)
   if [ "$(nice)" -gt 0 ]; then export REFERENCE_THREADS="${REFERENCE_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+}
+spec() {
+  threads_beside
   .venv-ref-spec/bin/python -m pytest -q -p no:cacheprovider --durations=12 --basetemp="$BASE/spec" -rs \
     reference/test_dflash.py reference/test_speculators.py reference/test_specforge.py reference/test_modelopt.py \
     || echo "reference part failed: speculators, dflash, SpecForge, Model-Optimizer" >> "$BASE/failed"
+}
+local_part() {
+  threads_beside
   BLOCKDRAFT_LLAMA_SERVER="$ROOT/.venv-ref-llama/bin/llama-server" "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider \
     --durations=20 --basetemp="$BASE/llama" -rs reference/test_llamacpp.py \
     || echo "reference part failed: llama.cpp" >> "$BASE/failed"
@@ -47,14 +53,20 @@ others() {
   "$MAIN_PYTHON" -m pytest -q -p no:cacheprovider --durations=4 --basetemp="$BASE/releases" -rs \
     reference/test_vllm_releases.py || echo "reference part failed: the vLLM release records" >> "$BASE/failed"
 }
+others() {
+  spec
+  local_part
+}
 vllm() {
   .venv-ref-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=45 --basetemp="$BASE/vllm" -rs reference/test_vllm.py \
     reference/test_vllm_extract.py reference/test_vllm_online.py reference/test_vllm_nodes.py reference/test_vllm_capture.py \
     reference/test_vllm_parsers.py reference/test_vllm_lilicorr.py \
     || echo "reference part failed: vLLM" >> "$BASE/failed"
 }
-if [ "$PART" = others ]; then
-  others
+if [ "$PART" = others ] || [ "$PART" = spec ]; then
+  "$PART"
+elif [ "$PART" = local ]; then
+  local_part
 elif [ "$PART" = vllm ]; then
   vllm
 else
