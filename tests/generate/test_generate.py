@@ -91,6 +91,35 @@ def test_greedy_on_sliding_and_chunked_attention_targets(arch):
     assert speculative_generate(t, d, ids, max_new_tokens=30).tokens == reference(t, ids, 30)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", RECURRENT_ARCHS[0]])
+@pytest.mark.parametrize("corrupt_every", [3, 1000])
+@pytest.mark.parametrize("chunk", [1, 4])  # 4: a 6-token block verified as 4 + 2
+def test_chunked_verification_gives_the_one_forward_result(monkeypatch, arch, corrupt_every, chunk):
+    """`verify_chunk`: the block verified a few rows per target forward, up to the first rejected
+    draft, with sliding-window and recurrent layers kept across the chunks: the target's own greedy
+    decoding and the one-forward run's accepted lengths, with fewer rows run through the target."""
+    t, d = pair(arch, 6)
+    ids = torch.randint(0, V - 1, (1, 9))
+    ref = reference(t, ids, 40)
+    prompt_len[0] = ids.shape[1]
+    rows, real = [], t.forward
+    monkeypatch.setattr(t, "forward", lambda x, **kw: rows.append(x.shape[1]) or real(x, **kw))
+    runs = {}
+    for c in (0, chunk):
+        rows.clear()
+        monkeypatch.setattr(spec.DrafterProposer, "_draft", oracle(ref, corrupt_every))  # its count from 0
+        res = speculative_generate(t, d, ids, max_new_tokens=40, verify_chunk=c)
+        runs[c] = (res.tokens, res.accepted, res.verified, sum(rows[1:]))  # rows[0]: the prefill
+    assert runs[0][0] == runs[chunk][0] == ref
+    assert runs[chunk][1] == runs[0][1] and runs[chunk][2] == runs[0][2]  # accepted; the block each step
+    if corrupt_every == 3:
+        assert runs[chunk][3] < runs[0][3]  # the rows after a rejection were never run
+    else:  # every draft right: every chunk runs
+        assert runs[chunk][3] == runs[0][3]
+    with pytest.raises(ValueError, match="verify_chunk"):
+        speculative_generate(t, d, ids, max_new_tokens=4, verify_chunk=-1)
+
+
 def _states(cache):
     return [s for layer in recurrent_layers(cache) for s in list(layer.recurrent_states.values())
             + list(layer.conv_states.values()) if s is not None]
