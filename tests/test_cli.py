@@ -47,7 +47,8 @@ def test_committed_prompt_set_is_large_unique_and_never_an_evaluation_prompt():
 
 def test_generate_and_bench_default_to_the_fastest_setting_measured_for_the_shipped_drafter():
     """With no --draft-threshold / --lookup, the speed settings are those of the best mean speedup
-    among the committed bench results of the shipped drafter (all with outputs identical); a flag wins."""
+    among the committed bench results of the shipped drafter (all with outputs identical); a flag wins.
+    --verify-chunk passes through (0, one forward per block, unless given)."""
     import json
     from pathlib import Path
 
@@ -63,10 +64,12 @@ def test_generate_and_bench_default_to_the_fastest_setting_measured_for_the_ship
     best = max(runs, key=lambda r: r[0])[1]
     drafter = load_drafter("default")
     parser = build_parser()
-    assert speed_settings(parser.parse_args(["generate", "hi"]), drafter) == best
-    assert speed_settings(parser.parse_args(["generate", "hi", "--lookup", "0", "--draft-threshold", "0"]),
-                          drafter) == {"draft_threshold": 0.0, "lookup": 0}
-    assert speed_settings(parser.parse_args(["bench", "--n", "1"]), drafter) == best
+    assert speed_settings(parser.parse_args(["generate", "hi"]), drafter) == {**best, "verify_chunk": 0}
+    assert speed_settings(parser.parse_args(["generate", "hi", "--lookup", "0", "--draft-threshold", "0",
+                                             "--verify-chunk", "4"]),
+                          drafter) == {"draft_threshold": 0.0, "lookup": 0, "verify_chunk": 4}
+    assert speed_settings(parser.parse_args(["bench", "--n", "1", "--verify-chunk", "2"]),
+                          drafter) == {**best, "verify_chunk": 2}
 
 
 def test_unknown_command_and_bad_data_are_clear_errors(tmp_path, capsys):

@@ -33,7 +33,7 @@ def hf_lookup_generate(target, ids, max_new_tokens, stops, hf_lookup_tokens):
 
 def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_size: int | None,
               hf_lookup_tokens: int = 10, progress: bool = True, draft_threshold: float = 0.0,
-              lookup: int = 0) -> dict:
+              lookup: int = 0, verify_chunk: int = 0) -> dict:
     from tqdm.auto import tqdm
 
     prompts = load_prompt_set(name, n)
@@ -45,7 +45,8 @@ def bench_set(target, drafter, name: str, n: int, *, max_new_tokens: int, block_
         ids = encode(target.tokenizer, msgs)
         base = target_greedy(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
         spec = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                                    block_size=block_size, draft_threshold=draft_threshold, lookup=lookup)
+                                    block_size=block_size, draft_threshold=draft_threshold, lookup=lookup,
+                                    verify_chunk=verify_chunk)
         look, t_look = hf_lookup_generate(target, ids, max_new_tokens, stops, hf_lookup_tokens)
         identical &= base.tokens == spec.tokens
         hist.update(spec.accepted)
@@ -137,13 +138,14 @@ def check_outputs(json_path=None, plot_path=None) -> None:
 
 def run_bench(target, drafter, sets: list[str], n: int, *, max_new_tokens: int = 256, block_size=None,
               json_path=None, plot_path=None, progress: bool = True, draft_threshold: float = 0.0,
-              lookup: int = 0) -> list[dict]:
+              lookup: int = 0, verify_chunk: int = 0) -> list[dict]:
     from ..rundir.ownership import replace_text
 
     check_sets(",".join(sets))  # an empty list would print an empty table and pass
     check_outputs(json_path, plot_path)
     results = [bench_set(target, drafter, s, n, max_new_tokens=max_new_tokens, block_size=block_size,
-                         progress=progress, draft_threshold=draft_threshold, lookup=lookup) for s in sets]
+                         progress=progress, draft_threshold=draft_threshold, lookup=lookup,
+                         verify_chunk=verify_chunk) for s in sets]
     if json_path:
         replace_text(json_path, json.dumps(results, indent=1))
     if plot_path:

@@ -151,11 +151,13 @@ def _load_pair(args):
 
 
 def speed_settings(args, drafter) -> dict:
-    """--draft-threshold / --lookup, else what the drafter's config records as its fastest measured setting."""
+    """--draft-threshold / --lookup, else what the drafter's config records as its fastest measured setting;
+    --verify-chunk."""
     best = drafter.config.generate_defaults or {}
     return {"draft_threshold": args.draft_threshold if args.draft_threshold is not None
             else float(best.get("draft_threshold", 0.0)),
-            "lookup": args.lookup if args.lookup is not None else int(best.get("lookup", 0))}
+            "lookup": args.lookup if args.lookup is not None else int(best.get("lookup", 0)),
+            "verify_chunk": args.verify_chunk}
 
 
 def cmd_generate(args) -> int:
