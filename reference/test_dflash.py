@@ -15,6 +15,7 @@ from common import ANCHOR_CASES, CASES, TINY_V, B, W, full_vocab, smollm2_target
 
 from blockdraft.checkpoint import save_drafter
 from blockdraft.generate import speculative_generate
+from blockdraft.generate.speculative import CPU_VERIFY_CHUNK
 
 # this environment has the package: missing is a failure, never a skip (reference/README.md)
 dflash_model = importlib.import_module("dflash.model")
@@ -132,7 +133,7 @@ def test_smollm2_acceptance_per_step_equals_dflash(tmp_path, smollm2, variant):
         ref = TARGET_GREEDY[key]
         stats = dflash_generate(theirs, smollm2.model, ids, 48)
         assert stats.output_ids[0, P:].tolist() == ref
-        res = speculative_generate(smollm2, ours, ids, max_new_tokens=48)
+        res = speculative_generate(smollm2, ours, ids, max_new_tokens=48, verify_chunk=CPU_VERIFY_CHUNK)
         assert res.tokens == ref
         # dflash shrinks its last block to the tokens left, as ours does: step for step the same
         assert list(stats.acceptance_lengths) == res.accepted, (variant, messages[0]["content"][:40])

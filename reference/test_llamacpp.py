@@ -45,7 +45,7 @@ import torch
 from blockdraft.checkpoint import load_drafter
 from blockdraft.data.chat import encode_prompt
 from blockdraft.engines.llamacpp import server as llamacpp
-from blockdraft.generate.speculative import speculative_generate
+from blockdraft.generate.speculative import CPU_VERIFY_CHUNK, speculative_generate
 from blockdraft.target import TargetModel, stop_token_ids
 from blockdraft.target.files import target_gguf
 from common import smollm2_kinds
@@ -131,7 +131,7 @@ def blockdraft_tau(target, drafter, prompts) -> float:
     steps = []
     for p in prompts:
         res = speculative_generate(target, drafter, torch.tensor([p]), max_new_tokens=MAX_TOKENS,
-                                   stop_token_ids=stop_token_ids(target.tokenizer))
+                                   stop_token_ids=stop_token_ids(target.tokenizer), verify_chunk=CPU_VERIFY_CHUNK)
         steps += res.accepted
     return sum(steps) / len(steps)
 

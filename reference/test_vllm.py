@@ -25,6 +25,7 @@ from blockdraft.checkpoint.native import DEFAULT_DRAFTER, default_verifier
 from blockdraft.engines.exports import export_drafter
 from blockdraft.engines.vllm.job import run_job
 from blockdraft.generate import speculative_generate
+from blockdraft.generate.speculative import CPU_VERIFY_CHUNK
 from blockdraft.target import stop_token_ids
 
 pytest.importorskip("vllm")
@@ -94,7 +95,7 @@ def generate_ours(target, drafter, prompts):
     tokens, steps = [], []
     for p in prompts:
         res = speculative_generate(target, drafter, torch.tensor([p]), max_new_tokens=MAX_TOKENS,
-                                   stop_token_ids=stop_token_ids(target.tokenizer))
+                                   stop_token_ids=stop_token_ids(target.tokenizer), verify_chunk=CPU_VERIFY_CHUNK)
         tokens.append(res.tokens)
         steps += res.accepted
     return tokens, sum(steps) / len(steps), accepted_per_pos(steps)
