@@ -121,7 +121,8 @@ def test_a_saved_hyper_connection_wrapper_loads_and_reads_its_streams_mean(arch,
         want_logits = ref(input_ids=ids).logits
     assert states[1].dim() == 4 and states[1].shape[2] == 2
     out = t(ids)
-    torch.testing.assert_close(out.logits, want_logits, rtol=0, atol=0)
+    # float rounding apart on some CPUs: 7e-7 on an AMD EPYC (AVX2), equal on the machines before it
+    torch.testing.assert_close(out.logits, want_logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.features[..., 32:], states[hidden_states_index(1)].mean(dim=2), rtol=0, atol=1e-6)
 
 
