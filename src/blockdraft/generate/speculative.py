@@ -104,8 +104,8 @@ def now(device: torch.device) -> float:
 
 def step(target, proposer, st: State, cache, s: Sampling, room: int, res: GenerationResult,
          rollback: RecurrentRollback | None = None, chunk: int = 0) -> list[int]:
-    """One draft-verify-accept step: verify the proposal after the last token in one target forward,
-    keep the agreed prefix and the target's own next token, crop the cache (with `rollback`, recurrent
+    """One draft-verify-accept step: verify the proposal after the last token in one target forward
+    (greedy with `chunk` > 0: `chunk` tokens a forward, up to the first rejected one), keep the agreed prefix and the target's own next token, crop the cache (with `rollback`, recurrent
     layers too, checked: recurrent.py), queue the features."""
     t0 = now(st.device)
     prop = proposer.propose(st, room) if room > 0 else Proposal(torch.empty(0, dtype=torch.long, device=st.device),
@@ -113,13 +113,12 @@ def step(target, proposer, st: State, cache, s: Sampling, room: int, res: Genera
     block = torch.cat([torch.tensor([st.committed[-1]], device=st.device), prop.tokens.to(st.device)])
     t1 = now(st.device)
     L, b = st.length, block.shape[0]
+    logits, feats, start = _verify(target, block, L, cache, chunk if s.temperature == 0 else 0)
+    t2 = now(st.device)
     if s.temperature > 0:
-        logits, feats, start = _verify(target, block, L, cache, 0)
         m, nxt = accept_sampled(block[1:], prop.q, sampling_probs(logits, s.temperature, s.top_p), s.generator)
     else:
-        logits, feats, start = _verify(target, block, L, cache, chunk)
         m, nxt = accept_greedy(block[1:logits.shape[0]], logits)
-    t2 = now(st.device)
     if rollback is not None:  # the last forward's rows: its recurrent record
         rollback.keep(L + m, block[start:logits.shape[0]], m + 1 - start)
     else:
@@ -154,9 +153,10 @@ def _verify(target, block: torch.Tensor, L: int, cache, chunk: int) -> tuple[tor
     return torch.cat(logits), torch.cat(feats), start
 
 
-# `verify_chunk` where a forward's cost grows with its rows (fp32 on a CPU): SmolLM2 with the shipped drafter
-# (16-token blocks, tau 1.44), 9 held-out prompts x 128 tokens at one thread, the same tokens and acceptance:
-# 136 s in one forward per step, 97 s at 2 rows, 96 at 3, 94 at 4, 107 at 6
+# `verify_chunk` where a forward's cost grows with its rows (fp32 on a CPU): SmolLM2 with the shipped drafter's
+# whole 16-token blocks at one thread, the same tokens and acceptance, 0.68 of one forward's time at 2 or 4 rows
+# (benchmarks/verify_chunk.py, benchmarks/results/verify-chunk-1thread.json); 4 was the best of 2, 3, 4 and 6 on
+# 9 prompts (136 s one forward, 97, 96, 94, 107 s)
 CPU_VERIFY_CHUNK = 4
 
 
@@ -207,7 +207,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, *, max_new_to
     return res
 
 
-def _check_speed_settings(draft_threshold: float, lookup: int, verify_chunk: int = 0) -> None:
+def _check_speed_settings(draft_threshold: float, lookup: int, verify_chunk: int) -> None:
     if not 0.0 <= draft_threshold < 1.0:
         raise ValueError(f"draft_threshold must be in [0, 1), got {draft_threshold}")
     if lookup < 0:
