@@ -186,3 +186,47 @@ def smollm2_kinds(target: TargetModel | None = None, kinds=("dspark", "dflash2")
                 p.copy_(p.to(torch.bfloat16).float())
         out[kind] = d.eval()
     return out
+
+
+# ------------------------------------------------- the trainers' judges (SpecForge, NeMo AutoModel): shared pieces
+ANCHORS = (1, W - B, W - B + 1, W, 17, 35)  # both sides of W - B + 1 (the context window's first cut)
+GREEDY_ANCHORS = (8, 11, 15, 20, 26, 37, 38)  # the last two run past the row's end (T = 40)
+
+
+def written(target, case: dict, path):
+    """A tiny drafter of `case`, saved as blockdraft writes it (its draft vocabulary's head rows included)."""
+    from blockdraft.checkpoint import save_drafter
+
+    ours = tiny_drafter(target, case)
+    save_drafter(ours, path, head_rows=target.head_rows(ours.draft_vocab) if ours.config.draft_vocab_size else None)
+    return ours
+
+
+def random_ids(n=40, seed=1):
+    return torch.randint(0, TINY_V - 1, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def block_of(ours, ids, C):
+    block = torch.full((B,), ours.mask_token_id, dtype=torch.long)
+    block[0] = ids[0, C]
+    return block
+
+
+@torch.no_grad()
+def our_rows(target, ours, ids, C):
+    """Our drafting of the block at anchor C over context rows 0..C-1: normed hidden [B, H]."""
+    feats = target(ids[:, :C], return_logits=False).features[0]
+    return ours.draft_hidden(feats, torch.arange(C), target.embed(block_of(ours, ids, C)), C, ours.new_context_cache())
+
+
+def greedy_batch(target, prompt=8, new=32, seed=4):
+    """A row whose tokens after the prompt are the target's greedy output, learned (loss_mask 1): there
+    the data's next token (a trainer's label) is the target's argmax (ours)."""
+    p = random_ids(prompt, seed)
+    ids = target.model.generate(p, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    mask = torch.ones_like(ids)
+    mask[:, :prompt] = 0
+    with torch.no_grad():
+        top = target(ids).logits.argmax(-1)
+    assert torch.equal(top[0, prompt - 1:-1], ids[0, prompt:])
+    return ids, mask

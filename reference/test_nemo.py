@@ -14,10 +14,10 @@ import importlib
 
 import pytest
 import torch
-from common import CASES, TINY_V, B, W, threads, tiny_drafter, tiny_target
+from common import ANCHORS, CASES, GREEDY_ANCHORS, B, block_of, greedy_batch, our_rows, random_ids, threads, \
+    tiny_target, written
 from safetensors.torch import load_file
 
-from blockdraft.checkpoint import save_drafter
 from blockdraft.generate import speculative_generate
 from blockdraft.model import DFlashDrafter
 from blockdraft.train import Batch, compute_loss
@@ -28,14 +28,6 @@ core = importlib.import_module("nemo_automodel.components.speculative.dflash.cor
 threads()
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-ANCHORS = (1, W - B, W - B + 1, W, 17, 35)  # both sides of W - B + 1 (the context window's first cut)
-GAMMA = 2.0
-
-
-def written(target, case: dict, path):
-    ours = tiny_drafter(target, case)
-    save_drafter(ours, path, head_rows=target.head_rows(ours.draft_vocab) if ours.config.draft_vocab_size else None)
-    return ours
 
 
 def load_nemo(path):
@@ -52,23 +44,6 @@ def load_nemo(path):
         if name not in unexpected:
             assert name in theirs and torch.equal(theirs[name], value), name
     return model.eval()
-
-
-def random_ids(n=40, seed=1):
-    return torch.randint(0, TINY_V - 1, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def block_of(ours, ids, C):
-    block = torch.full((B,), ours.mask_token_id, dtype=torch.long)
-    block[0] = ids[0, C]
-    return block
-
-
-@torch.no_grad()
-def our_rows(target, ours, ids, C):
-    """Our drafting of the block at anchor C over context rows 0..C-1: normed hidden [B, H]."""
-    feats = target(ids[:, :C], return_logits=False).features[0]
-    return ours.draft_hidden(feats, torch.arange(C), target.embed(block_of(ours, ids, C)), C, ours.new_context_cache())
 
 
 @torch.no_grad()
@@ -152,21 +127,6 @@ def test_nemo_trains_our_function_with_one_window_for_every_layer(tmp_path, case
         assert (unwindowed[-1] - got[-1]).abs().max() > 1e-2  # the last anchor's context passes the window
 
 
-def greedy_batch(target, prompt=8, new=32, seed=4):
-    """A row whose tokens after the prompt are the target's greedy output, learned: there the data's next
-    token (NeMo's label) is the target's argmax (ours)."""
-    p = random_ids(prompt, seed)
-    ids = target.model.generate(p, max_new_tokens=new, do_sample=False, pad_token_id=0)
-    mask = torch.ones_like(ids)
-    mask[:, :prompt] = 0
-    with torch.no_grad():
-        assert torch.equal(target(ids).logits.argmax(-1)[0, prompt - 1:-1], ids[0, prompt:])
-    return ids, mask
-
-
-GREEDY_ANCHORS = (8, 11, 15, 20, 26, 37, 38)  # the last two run past the row's end (T = 40)
-
-
 @pytest.mark.parametrize("gamma", [2.0, 7.0])
 def test_nemo_dflash_loss_and_gradients_are_ours_on_greedy_data(tmp_path, gamma):
     """DFlashTrainerModule's loss (DFlashDecayLoss, slot k from 1 weighted exp(-(k-1)/gamma), over the sum
@@ -226,7 +186,7 @@ def test_nemo_spec_generate_cannot_take_back_a_sliding_layers_drafts_past_its_wi
     full. So NeMo's own loop stops on a drafter with sliding layers past the window; its serving call
     and training (above) compute such a drafter, and engines serve it."""
     target = tiny_target()
-    ours = written(target, CASES["sliding-bidirectional"], tmp_path / "d")
+    written(target, CASES["sliding-bidirectional"], tmp_path / "d")
     theirs = load_nemo(tmp_path / "d")
     with pytest.raises(RuntimeError, match="activate_past_recording"):
         theirs.spec_generate(target.model, random_ids(12, seed=2), max_new_tokens=30, stop_token_ids=None,

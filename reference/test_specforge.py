@@ -21,7 +21,8 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from common import CASES, DOMINO_CASE, KIND_CASES, TINY_V, B, W, threads, tiny_drafter, tiny_target
+from common import ANCHORS, CASES, DOMINO_CASE, GREEDY_ANCHORS, KIND_CASES, TINY_V, B, W, block_of, greedy_batch, \
+    our_rows, random_ids, threads, tiny_drafter, tiny_target, written
 from safetensors.torch import load_file
 
 from blockdraft.checkpoint import save_drafter
@@ -35,7 +36,6 @@ mask_utils = importlib.import_module("specforge.training.model_utils")
 threads()
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-ANCHORS = (1, W - B, W - B + 1, W, 17, 35)  # both sides of W - B + 1 (the context window's first cut)
 DSPARK_CASES = {
     "dspark-markov": dict(KIND_CASES["dspark"], confidence_head=False),
     "dspark-confidence": dict(KIND_CASES["dspark"], confidence_head=True),
@@ -43,12 +43,6 @@ DSPARK_CASES = {
     "dspark-mha": dict(KIND_CASES["dspark"], confidence_head=True, num_key_value_heads=4),
 }
 GAMMA = 2.0
-
-
-def written(target, case: dict, path):
-    ours = tiny_drafter(target, case)
-    save_drafter(ours, path, head_rows=target.head_rows(ours.draft_vocab) if ours.config.draft_vocab_size else None)
-    return ours
 
 
 def load_specforge(path, dropped=()):
@@ -92,23 +86,6 @@ def their_serving_rows(model, target, ids, C, block):
     feats = target(ids[:, :C], return_logits=False).features
     return model(target_hidden=feats, noise_embedding=target.embed(block)[None], position_ids=torch.arange(C + B)[None],
                  is_causal=False)[0]
-
-
-@torch.no_grad()
-def our_rows(target, ours, ids, C):
-    """Our drafting of the block at anchor C over context rows 0..C-1: normed hidden [B, H]."""
-    feats = target(ids[:, :C], return_logits=False).features[0]
-    return ours.draft_hidden(feats, torch.arange(C), target.embed(block_of(ours, ids, C)), C, ours.new_context_cache())
-
-
-def block_of(ours, ids, C):
-    block = torch.full((B,), ours.mask_token_id, dtype=torch.long)
-    block[0] = ids[0, C]
-    return block
-
-
-def random_ids(n=40, seed=1):
-    return torch.randint(0, TINY_V - 1, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def dspark_logits(ours, target, h, prev):
@@ -259,22 +236,6 @@ def test_specforge_takes_our_mask_token_and_falls_back_to_pad(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- the loss
-def greedy_batch(target, prompt=8, new=32, seed=4):
-    """A row whose tokens after the prompt are the target's greedy output, learned (loss_mask 1): there
-    the data's next token is the target's argmax, so SpecForge's labels (the data) are ours (the argmax)."""
-    p = random_ids(prompt, seed)
-    ids = target.model.generate(p, max_new_tokens=new, do_sample=False, pad_token_id=0)
-    mask = torch.ones_like(ids)
-    mask[:, :prompt] = 0
-    with torch.no_grad():
-        top = target(ids).logits.argmax(-1)
-    assert torch.equal(top[0, prompt - 1:-1], ids[0, prompt:])
-    return ids, mask
-
-
-GREEDY_ANCHORS = (8, 11, 15, 20, 26, 37, 38)  # the last two run past the row's end (T = 40)
-
-
 def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
