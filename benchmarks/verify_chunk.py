@@ -6,8 +6,8 @@ prompt in one process, with the tokens and each step's accepted length held equa
 
 On a CPU a verify forward costs about its rows (the linear layers' products), so a block checked a few
 rows at a time, stopping at the first rejected draft, skips the rows after it; each extra forward costs
-a pass over the weights. `--all-drafts` (the default) verifies every draft of the block (no threshold,
-no lookup): the setting the reference suite computes blockdraft's tau in.
+a pass over the weights. Every draft of the block is verified (no threshold, no lookup): the setting the
+reference suite computes blockdraft's tau in.
 """
 
 from __future__ import annotations

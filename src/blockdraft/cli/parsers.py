@@ -238,7 +238,7 @@ def _speed_args(p) -> None:
     p.add_argument("--verify-chunk", type=Checked(int), default=0, metavar="N",
                    help="greedy: run the block through the target N tokens at a time, stopping at the first "
                         "rejected draft; the same output and acceptance, faster where a forward's cost grows with "
-                        "its tokens (a CPU: 4 measured best) (0, the default: the whole block in one forward)")
+                        "its tokens (a CPU: 2-4 measured best) (0, the default: the whole block in one forward)")
 
 
 def _generate_flags(g) -> None:
